@@ -1,0 +1,56 @@
+"""Model configuration: one frozen dataclass for every Llama-family decoder."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x "llama3" frequency scaling (HF `rope_scaling` with rope_type=llama3)."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    max_seq_len: int = 8192
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def projection_dims(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of every LoRA-targetable projection, keyed by short name."""
+        d, f = self.d_model, self.ffn_dim
+        return {
+            "q": (d, self.q_dim), "k": (d, self.kv_dim), "v": (d, self.kv_dim),
+            "o": (self.q_dim, d), "gate": (d, f), "up": (d, f), "down": (f, d),
+        }
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A small random-weight config for fast tests (same shape family as SmolLM2)."""
+    base = dict(vocab_size=256, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
+                ffn_dim=128, rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=True, max_seq_len=128,
+                bos_token_id=1, eos_token_ids=(2,))
+    base.update(overrides)
+    return ModelConfig(**base)
