@@ -1,0 +1,40 @@
+"""Shared fixtures. Heavy ones (the real SmolLM2 model, the HF torch reference) are session-scoped."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _default_gguf_or_skip() -> str:
+    from preft_jax.loading.default_model import default_model_path
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> str:
+    return _default_gguf_or_skip()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_gguf_path):
+    """(transformers model in float32, HF tokenizer) loaded from the same GGUF file."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers not installed")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, name = os.path.split(default_gguf_path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    model.eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """(ModelConfig, params dict of numpy arrays, Tokenizer) from the embedded GGUF."""
+    from preft_jax.loading.gguf_loader import load_gguf
+    return load_gguf(_default_gguf_or_skip())
