@@ -1,0 +1,154 @@
+"""Load a llama.cpp GGUF file (Llama architecture) into (ModelConfig, canonical params, Tokenizer).
+
+Quantized tensors (Q4_0/Q4_1/Q8_0/K-quants/...) are dequantized with `gguf.quants.dequantize`; the
+result is float32 by default (any numpy dtype, e.g. `jnp.bfloat16`, may be requested).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from preft_jax.config import ModelConfig
+from preft_jax.loading.default_model import resolve_model_path
+from preft_jax.loading.weight_names import GGUF_IGNORED, GGUF_RULES, ParamAssembler
+from preft_jax.tokenizer import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def _open_reader(path: pathlib.Path):
+    import gguf
+
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a GGUF file (use load_hf_folder for HF folders)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # truncated / corrupt file
+        raise ValueError(f"Could not parse GGUF file {path}: {e}") from e
+
+
+def _field_value(field) -> Any:
+    """Python value of a GGUF metadata field (lists for arrays)."""
+    import gguf
+
+    types = field.types
+    if not types:
+        return None
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        sub = types[-1]
+        if sub == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        if len(types) == 2 and all(len(field.parts[i]) == 1 for i in field.data[:1]):
+            return np.concatenate([field.parts[i] for i in field.data]).tolist() if field.data else []
+        return field.contents()
+    if types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
+    return field.parts[-1].tolist()[0]
+
+
+def read_gguf_metadata(reader) -> dict[str, Any]:
+    """All key/value metadata of an open `gguf.GGUFReader` as python values."""
+    return {name: _field_value(field) for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def _scalar(meta: dict, key: str, default=None, required: bool = False):
+    if key not in meta:
+        if required:
+            raise ValueError(f"GGUF metadata lacks required key {key!r}")
+        return default
+    v = meta[key]
+    if isinstance(v, list):  # per-layer arrays (some files): accept only if uniform
+        if len(set(v)) != 1:
+            raise ValueError(f"GGUF metadata {key!r} varies per layer ({v}); not supported")
+        v = v[0]
+    return v
+
+
+def config_from_gguf(meta: dict, tensor_shapes: dict[str, tuple[int, ...]],
+                     tokenizer: Tokenizer | None = None) -> ModelConfig:
+    """ModelConfig from GGUF metadata. `tensor_shapes` are numpy ([out, in]) shapes by tensor name."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"Unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    p = f"{arch}."
+    d = int(_scalar(meta, p + "embedding_length", required=True))
+    n_layers = int(_scalar(meta, p + "block_count", required=True))
+    n_heads = int(_scalar(meta, p + "attention.head_count", required=True))
+    n_kv = int(_scalar(meta, p + "attention.head_count_kv", n_heads))
+    ffn = int(_scalar(meta, p + "feed_forward_length", required=True))
+    head_dim = int(_scalar(meta, p + "attention.key_length", d // n_heads))
+    v_dim = int(_scalar(meta, p + "attention.value_length", head_dim))
+    if v_dim != head_dim:
+        raise ValueError(f"GGUF key_length {head_dim} != value_length {v_dim}: not supported")
+    rope_dim = int(_scalar(meta, p + "rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"Partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
+                         f"are not supported")
+    scaling = _scalar(meta, p + "rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in tensor_shapes:
+        raise ValueError(
+            f"GGUF rope scaling ({scaling or 'rope_freqs.weight tensor, i.e. llama3 scaling'}) is not "
+            f"supported by the GGUF loader; load the HF safetensors folder instead")
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    vocab = int(tensor_shapes["token_embd.weight"][0])
+    n_tokens = meta.get("tokenizer.ggml.tokens")
+    if n_tokens is not None and len(n_tokens) > vocab:
+        raise ValueError(f"GGUF tokenizer has {len(n_tokens)} tokens but the embedding only {vocab} rows")
+    bos = tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id")
+    if tokenizer is not None:
+        eos = tokenizer.eos_token_ids
+    else:
+        e = meta.get("tokenizer.ggml.eos_token_id")
+        eos = () if e is None else (int(e),)
+    return ModelConfig(
+        vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+        head_dim=head_dim, ffn_dim=ffn,
+        rope_theta=float(_scalar(meta, p + "rope.freq_base", 10000.0)),
+        rms_eps=float(_scalar(meta, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensor_shapes,
+        max_seq_len=int(_scalar(meta, p + "context_length", 2048)),
+        rope_scaling=None,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(int(i) for i in eos),
+    )
+
+
+def load_gguf_tokenizer(path: str | os.PathLike | None = None, *, hf_compat: bool = False) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (no tensor data is read). See Tokenizer.from_gguf_metadata."""
+    reader = _open_reader(resolve_model_path(path))
+    return Tokenizer.from_gguf_metadata(read_gguf_metadata(reader), hf_compat=hf_compat)
+
+
+def load_gguf(path: str | os.PathLike | None = None, dtype=np.float32
+              ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+    """(config, canonical params, tokenizer) from a GGUF file; `None` loads the default SmolLM2 GGUF."""
+    import gguf.quants
+
+    path = resolve_model_path(path)
+    reader = _open_reader(path)
+    meta = read_gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    cfg = config_from_gguf(meta, shapes, tokenizer)
+
+    asm = ParamAssembler(cfg, GGUF_RULES, GGUF_IGNORED, dtype=dtype, source=str(path))
+    for t in reader.tensors:
+        if not asm.wants(t.name):
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        asm.add(t.name, np.asarray(arr, dtype=np.float32).reshape(shapes[t.name]))
+    params = asm.finish()
+    return cfg, params, tokenizer

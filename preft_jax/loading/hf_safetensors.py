@@ -1,0 +1,183 @@
+"""Load an HF transformers Llama-family model folder into (ModelConfig, canonical params, Tokenizer).
+
+The folder holds `config.json`, `model.safetensors` (or shards listed in `model.safetensors.index.json`),
+and `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`). Safetensors files are read
+with a small memory-mapped parser (numpy has no bfloat16, so BF16 is widened to float32 bitwise).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+from typing import Any, Iterator
+
+import numpy as np
+
+from preft_jax.config import ModelConfig, RopeScaling
+from preft_jax.loading.weight_names import HF_IGNORED, HF_RULES, ParamAssembler
+from preft_jax.tokenizer import Tokenizer
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+# ---------------------------------------------------------------------------------------- safetensors
+class SafetensorsFile:
+    """Minimal memory-mapped safetensors reader returning numpy arrays (BF16 -> float32)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError(f"{self.path} is not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100_000_000:
+                raise ValueError(f"{self.path} is not a safetensors file (header length {n})")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{self.path} is not a safetensors file: bad header ({e})") from e
+        self._data_start = 8 + n
+        header.pop("__metadata__", None)
+        self.header: dict[str, dict] = header
+        self._mm = None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        dt = info["dtype"]
+        if dt not in _ST_DTYPES:
+            raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dt}")
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        begin, end = info["data_offsets"]
+        raw = self._mm[self._data_start + begin: self._data_start + end]
+        arr = raw.view(_ST_DTYPES[dt]).reshape(info["shape"])
+        if dt == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        return arr
+
+
+def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        paths = [folder / name for name in files]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"Shard(s) listed in {index} are missing: {missing}")
+        return paths
+    if single.is_file():
+        return [single]
+    others = sorted(folder.glob("*.safetensors"))
+    if others:
+        return others
+    raise FileNotFoundError(f"No model.safetensors, model.safetensors.index.json or *.safetensors in {folder}")
+
+
+def iter_safetensors(folder: str | os.PathLike) -> Iterator[tuple[str, SafetensorsFile]]:
+    """(tensor name, file holding it) for every tensor of the folder's checkpoint."""
+    for path in _safetensors_files(pathlib.Path(folder)):
+        st = SafetensorsFile(path)
+        for name in st.keys():
+            yield name, st
+
+
+# --------------------------------------------------------------------------------------------- config
+def _rope_fields(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = hf.get("rope_parameters") or {}          # transformers >= 5
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (params if params else None)
+    if not scaling:
+        return float(theta), None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type == "llama3":
+        return float(theta), RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+    raise ValueError(f"Unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
+
+
+def config_from_hf(hf: dict[str, Any], tokenizer: Tokenizer | None = None,
+                   has_lm_head: bool | None = None) -> ModelConfig:
+    """ModelConfig from a parsed HF `config.json` (Llama family)."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"Unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"config.json sets {flag}=true; biased projections are not supported")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"Unsupported hidden_act {act!r} (only silu)")
+    window = hf.get("sliding_window")
+    if window is not None and window < hf.get("max_position_embeddings", 0):
+        raise ValueError(f"Sliding-window attention (sliding_window={window}) is not supported")
+    d = int(hf["hidden_size"])
+    n_heads = int(hf["num_attention_heads"])
+    n_kv = int(hf.get("num_key_value_heads") or n_heads)
+    head_dim = int(hf.get("head_dim") or d // n_heads)
+    theta, scaling = _rope_fields(hf)
+    if "tie_word_embeddings" in hf:
+        tie = bool(hf["tie_word_embeddings"])
+    else:   # LlamaConfig's default is untied; fall back to what the checkpoint holds
+        tie = has_lm_head is False
+    bos = hf.get("bos_token_id")
+    eos: tuple[int, ...]
+    if tokenizer is not None:
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else bos
+        eos = tokenizer.eos_token_ids
+    else:
+        e = hf.get("eos_token_id")
+        eos = tuple(e) if isinstance(e, list) else (() if e is None else (int(e),))
+    if isinstance(bos, list):
+        bos = bos[0] if bos else None
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]),
+        n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
+        rope_theta=theta, rms_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=tie,
+        max_seq_len=int(hf.get("max_position_embeddings", 8192)), rope_scaling=scaling,
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(int(i) for i in eos),
+    )
+
+
+def load_hf_folder(folder: str | os.PathLike, dtype=np.float32
+                   ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+    """(config, canonical params, tokenizer) from an HF model folder."""
+    folder = pathlib.Path(folder).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(f"Model folder does not exist: {folder}")
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder (GGUF files go to load_gguf)")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"No config.json in {folder}")
+    with open(cfg_path, encoding="utf-8") as f:
+        hf = json.load(f)
+
+    tensors = list(iter_safetensors(folder))
+    names = {n for n, _ in tensors}
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    cfg = config_from_hf(hf, tokenizer, has_lm_head="lm_head.weight" in names)
+
+    asm = ParamAssembler(cfg, HF_RULES, HF_IGNORED, dtype=dtype, source=str(folder))
+    for name, st in tensors:
+        if asm.wants(name):
+            asm.add(name, st.get(name))
+    return cfg, asm.finish(), tokenizer
