@@ -46,9 +46,9 @@ def _field_value(field) -> Any:
         sub = types[-1]
         if sub == gguf.GGUFValueType.STRING:
             return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if len(types) == 2 and all(len(field.parts[i]) == 1 for i in field.data[:1]):
+        if len(types) == 2:  # flat array of scalars: one 1-element part per item
             return np.concatenate([field.parts[i] for i in field.data]).tolist() if field.data else []
-        return field.contents()
+        return field.contents()  # nested arrays
     if types[0] == gguf.GGUFValueType.STRING:
         return bytes(field.parts[-1]).decode("utf-8", errors="replace")
     return field.parts[-1].tolist()[0]
