@@ -1,0 +1,186 @@
+"""The prefill/decode core shared by serving, RL rollouts and tests.
+
+Pure jitted step functions take `(graphdef, state)` of a split `Llama` (split once, in
+`ModelRunner`) and the adapter bank as arguments, so new adapter weights never recompile.
+
+* `prefill_step`: adapted prefill of a right-padded prompt batch into cache slots; returns the
+  logits of each prompt's last token (which samples the first output token).
+* `decode_step`: one token per cache slot. With `bank=None` it is the plain base model: the
+  prefill-only (PreFT) decode. With a bank, slots whose adapter is in all-token mode use it.
+* `sequence_logits`: teacher-forced logits for training, with the same per-token adapter
+  masking as prefill + decode (prompt tokens adapted, response tokens base in prefill mode).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from preft_jax.adapters.bank import AdapterBank
+from preft_jax.adapters.positions import token_adapter_index
+from preft_jax.kv_cache import KVCache
+from preft_jax.model import Llama
+from preft_jax.sampling import SamplingParams, sample
+
+
+def _positions(batch, length):
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+def _token_idx(bank, adapter_ids, positions, prompt_lengths):
+    if bank is None:
+        return None
+    return token_adapter_index(bank, adapter_ids, positions, prompt_lengths)
+
+
+def sequence_hidden(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None):
+    """Teacher-forced final hidden states [B, T, d] (pre final norm). Not jitted: trainers wrap it."""
+    model = nnx.merge(graphdef, state)
+    idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths)
+    h, _ = model.forward_chunk(tokens, idx, bank)
+    return h
+
+
+def sequence_logits(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None):
+    """Teacher-forced logits [B, T, V] float32; logits[:, t] predicts tokens[:, t + 1]."""
+    model = nnx.merge(graphdef, state)
+    return model.logits(sequence_hidden(graphdef, state, tokens, prompt_lengths, bank, adapter_ids))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
+def prefill_step(graphdef, state, tokens, prompt_lengths, slot_ids, cache: KVCache,
+                 bank: AdapterBank | None = None, adapter_ids=None):
+    """tokens: int [B, T] right-padded; writes K/V into cache[slot_ids]. -> (last logits [B, V], cache)."""
+    model = nnx.merge(graphdef, state)
+    idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths)
+    h, cache = model.forward_chunk(tokens, idx, bank, cache, slot_ids)
+    last = h[jnp.arange(tokens.shape[0]), prompt_lengths - 1]
+    return model.logits(last), cache
+
+
+def _decode(graphdef, state, tokens, positions, cache, bank, adapter_ids, prompt_lengths):
+    model = nnx.merge(graphdef, state)
+    idx = None if bank is None else _token_idx(bank, adapter_ids, positions[:, None], prompt_lengths)[:, 0]
+    return model.decode(tokens, positions, cache, idx, bank)
+
+
+decode_step = jax.jit(_decode, static_argnums=0, donate_argnames=("cache",))
+decode_step.__doc__ = """tokens, positions: int [n_slots] -> (logits [n_slots, V], cache). bank=None: base decode."""
+
+
+@functools.partial(jax.jit, static_argnums=(0, 12))
+def _decode_loop(graphdef, state, cache, first_tokens, prompt_lengths, bank, adapter_ids, key,
+                 temperature, top_p, top_k, stop_ids, max_new_tokens):
+    """Fused decode of up to max_new_tokens (first token given) with early exit when all rows stop."""
+    B = first_tokens.shape[0]
+    out = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(first_tokens)
+    done = jnp.isin(first_tokens, stop_ids)
+
+    def cond(s):
+        i, _, _, done, _, _ = s
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(s):
+        i, tok, cache, done, key, out = s
+        key, sub = jax.random.split(key)
+        logits, cache = _decode(graphdef, state, tok, prompt_lengths + i - 1, cache, bank, adapter_ids,
+                                prompt_lengths)
+        nxt = sample(logits, sub, temperature, top_p, top_k)
+        nxt = jnp.where(done, 0, nxt)
+        out = out.at[:, i].set(nxt)
+        return i + 1, nxt, cache, done | jnp.isin(nxt, stop_ids), key, out
+
+    s = (jnp.int32(1), first_tokens, cache, done, key, out)
+    _, _, _, _, _, out = jax.lax.while_loop(cond, body, s)
+    return out
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[int]          # generated ids, stop token excluded
+    finish_reason: str         # "stop" or "length"
+
+
+def bucket_length(n: int, minimum: int = 16) -> int:
+    """Prompt lengths are padded to powers of two (>= minimum) to bound recompilation."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+class ModelRunner:
+    """A split model (graphdef + state, split once) with the jitted prefill/decode core."""
+
+    def __init__(self, model: Llama):
+        self.cfg = model.cfg
+        self.dtype = model.dtype
+        self.graphdef, self.state = nnx.split(model)
+
+    def prefill(self, tokens, prompt_lengths, slot_ids, cache, bank=None, adapter_ids=None):
+        return prefill_step(self.graphdef, self.state, tokens, prompt_lengths, slot_ids, cache, bank, adapter_ids)
+
+    def decode(self, tokens, positions, cache, bank=None, adapter_ids=None, prompt_lengths=None):
+        return decode_step(self.graphdef, self.state, tokens, positions, cache, bank, adapter_ids, prompt_lengths)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, cache_len: int | None = None):
+        limit = self.cfg.max_seq_len if cache_len is None else min(cache_len, self.cfg.max_seq_len)
+        if prompt_len < 1:
+            raise ValueError("prompt is empty")
+        if prompt_len + max_new_tokens > limit:
+            raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                             f"context length {limit}")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(),
+                 bank: AdapterBank | None = None, adapter_ids: Sequence[int] | None = None,
+                 key: jax.Array | None = None, decode_with_adapters: bool | None = None) -> list[Generation]:
+        """Batched generation: adapted prefill, then fused decode.
+
+        Decode gets the bank only if some request's adapter is in all-token mode (or when
+        `decode_with_adapters` forces it); otherwise it runs the base model alone (PreFT).
+        """
+        B = len(prompts)
+        lengths = [len(p) for p in prompts]
+        for n in lengths:
+            self.check_fits(n, sampling.max_new_tokens)
+        T = min(bucket_length(max(lengths)), self.cfg.max_seq_len)
+        cache_len = min(T + sampling.max_new_tokens, self.cfg.max_seq_len)
+        tokens = np.zeros((B, T), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = p
+        if bank is not None:
+            adapter_ids = np.zeros(B, np.int32) if adapter_ids is None else np.asarray(adapter_ids, np.int32)
+            if adapter_ids.shape != (B,) or adapter_ids.min() < 0 or adapter_ids.max() >= bank.n_slots:
+                raise ValueError(f"adapter_ids must be {B} slot indices in [0, {bank.n_slots})")
+            adapter_ids = jnp.asarray(adapter_ids)
+        elif adapter_ids is not None and np.any(np.asarray(adapter_ids) != 0):
+            raise ValueError("adapter_ids given without an adapter bank")
+        else:
+            adapter_ids = None
+        if decode_with_adapters is None:
+            decode_with_adapters = bank is not None and bool(np.any(np.asarray(bank.all_tokens)[np.asarray(adapter_ids)]))
+        plen = jnp.asarray(lengths, jnp.int32)
+        cache = KVCache.create(self.cfg, B, cache_len, self.dtype)
+        logits, cache = self.prefill(jnp.asarray(tokens), plen, jnp.arange(B, dtype=jnp.int32), cache,
+                                     bank, adapter_ids)
+        key = jax.random.key(0) if key is None else key
+        key, sub = jax.random.split(key)
+        temp = jnp.full((B,), sampling.temperature, jnp.float32)
+        top_p = jnp.full((B,), sampling.top_p, jnp.float32)
+        top_k = jnp.full((B,), sampling.top_k, jnp.int32)
+        first = sample(logits, sub, temp, top_p, top_k)
+        stop = tuple(sampling.stop_token_ids) or tuple(self.cfg.eos_token_ids) or (-1,)
+        dbank = bank if decode_with_adapters else None
+        out = _decode_loop(self.graphdef, self.state, cache, first, plen, dbank,
+                           adapter_ids if dbank is not None else None, key, temp, top_p, top_k,
+                           jnp.asarray(stop, jnp.int32), sampling.max_new_tokens)
+        return [_trim(row, stop) for row in np.asarray(out)]
+
+
+def _trim(row: np.ndarray, stop: Sequence[int]) -> Generation:
+    for i, t in enumerate(row.tolist()):
+        if t in stop:
+            return Generation(row[:i].tolist(), "stop")
+    return Generation(row.tolist(), "length")
