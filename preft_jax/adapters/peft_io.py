@@ -486,7 +486,8 @@ def _check_lora_weights(weights: LoraWeights, model_config: ModelConfig) -> tupl
     outside = [i for i in range(n) if i not in layers]
     for t in cfg.targets:
         d_in, d_out = dims[t]
-        for name, arr, expected in (("A", weights.A[t], (n, d_in, cfg.rank)), ("B", weights.B[t], (n, cfg.rank, d_out))):
+        for name, arr, expected in (("A", weights.A[t], (n, d_in, cfg.rank)),
+                                    ("B", weights.B[t], (n, cfg.rank, d_out))):
             if tuple(np.shape(arr)) != expected:
                 raise ValueError(f"LoraWeights.{name}[{t!r}] has shape {tuple(np.shape(arr))}, expected {expected}")
             if outside and np.any(np.asarray(arr)[outside] != 0):
