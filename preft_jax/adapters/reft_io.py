@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+
 import numpy as np
 
 from preft_jax.adapters.config import REFT_KINDS, LoraWeights, PositionPolicy, ReftConfig, ReftWeights
