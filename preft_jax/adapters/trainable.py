@@ -1,0 +1,122 @@
+"""Trainable single-adapter parameters and their differentiable view as a 2-slot AdapterBank.
+
+Training optimizes one adapter: slot 0 is the base (constant zeros), slot 1 is built from the
+trainable pytree on every step, so gradients flow only into the adapter.
+
+LoRA params:  {"A": {target: [L, d_in, r]}, "B": {target: [L, r, d_out]}}  (PEFT init: A uniform
+    +-1/sqrt(d_in), B = 0, so the adapter starts as the identity)
+ReFT params:  {"R": [L, r, d], "W": [L, r, d], "b": [L, r]}. LoReFT uses orthonormal rows
+    R = QR-orthonormalized(params["R"]) in every forward; it starts with W = R, b = 0 (identity).
+    DiReFT uses R as is and starts with W = 0.
+Layers outside the config's `layers` are masked to zero (no gradient reaches them).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from preft_jax.adapters.bank import AdapterBank, policy_arrays
+from preft_jax.adapters.config import LoraConfig, LoraWeights, PositionPolicy, ReftConfig, ReftWeights
+from preft_jax.config import ModelConfig
+
+
+def _layer_mask(cfg: ModelConfig, layers) -> np.ndarray:
+    mask = np.zeros(cfg.n_layers, np.float32)
+    chosen = range(cfg.n_layers) if layers is None else layers
+    for i in chosen:
+        if not 0 <= i < cfg.n_layers:
+            raise ValueError(f"adapter layer {i} out of range 0..{cfg.n_layers - 1}")
+        mask[i] = 1.0
+    return mask
+
+
+def _policy(policy: PositionPolicy):
+    at, fk, lk = policy_arrays([PositionPolicy(), policy])
+    return jnp.asarray(at), jnp.asarray(fk), jnp.asarray(lk)
+
+
+def _with_base_slot(x):
+    """[L, ...] -> [L, 2, ...] with slot 0 zeros."""
+    return jnp.stack([jnp.zeros_like(x), x], axis=1)
+
+
+# ---- LoRA ----------------------------------------------------------------------------------
+def init_lora(cfg: ModelConfig, config: LoraConfig, key, dtype=jnp.float32) -> dict:
+    dims = cfg.projection_dims()
+    mask = _layer_mask(cfg, config.layers)[:, None, None]
+    keys = jax.random.split(key, len(config.targets))
+    A, B = {}, {}
+    for k, t in zip(keys, config.targets):
+        d_in, d_out = dims[t]
+        bound = 1.0 / np.sqrt(d_in)
+        A[t] = jax.random.uniform(k, (cfg.n_layers, d_in, config.rank), dtype, -bound, bound) * mask
+        B[t] = jnp.zeros((cfg.n_layers, config.rank, d_out), dtype)
+    return {"A": A, "B": B}
+
+
+def lora_bank(cfg: ModelConfig, config: LoraConfig, params: dict) -> AdapterBank:
+    mask = jnp.asarray(_layer_mask(cfg, config.layers))[:, None, None]
+    A = {t: _with_base_slot(params["A"][t] * mask) for t in config.targets}
+    B = {t: _with_base_slot(params["B"][t] * mask * config.scale) for t in config.targets}
+    return AdapterBank(A, B, None, None, None, None, *_policy(config.policy))
+
+
+def lora_weights(config: LoraConfig, params: dict, cfg: ModelConfig) -> LoraWeights:
+    mask = _layer_mask(cfg, config.layers)[:, None, None]
+    return LoraWeights(config,
+                       A={t: np.asarray(params["A"][t], np.float32) * mask for t in config.targets},
+                       B={t: np.asarray(params["B"][t], np.float32) * mask for t in config.targets})
+
+
+# ---- ReFT ----------------------------------------------------------------------------------
+def orthonormal_rows(R):
+    """[..., r, d] -> rows orthonormalized by QR (differentiable), signs fixed to match R."""
+    q, r = jnp.linalg.qr(jnp.swapaxes(R, -1, -2))
+    sign = jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))
+    sign = jnp.where(sign == 0, 1.0, sign)
+    return jnp.swapaxes(q * sign[..., None, :], -1, -2)
+
+
+def init_reft(cfg: ModelConfig, config: ReftConfig, key, dtype=jnp.float32) -> dict:
+    if config.rank > cfg.d_model:
+        raise ValueError(f"ReFT rank {config.rank} > d_model {cfg.d_model}")
+    mask = _layer_mask(cfg, config.layers)
+    R = orthonormal_rows(jax.random.normal(key, (cfg.n_layers, config.rank, cfg.d_model), jnp.float32))
+    R = (R * mask[:, None, None]).astype(dtype)
+    W = R if config.kind == "loreft" else jnp.zeros_like(R)
+    return {"R": R, "W": W, "b": jnp.zeros((cfg.n_layers, config.rank), dtype)}
+
+
+def effective_reft(cfg: ModelConfig, config: ReftConfig, params: dict):
+    mask = jnp.asarray(_layer_mask(cfg, config.layers))
+    R = params["R"]
+    if config.kind == "loreft":
+        R = orthonormal_rows(R.astype(jnp.float32)).astype(params["R"].dtype)
+    return R * mask[:, None, None], params["W"] * mask[:, None, None], params["b"] * mask[:, None]
+
+
+def reft_bank(cfg: ModelConfig, config: ReftConfig, params: dict) -> AdapterBank:
+    R, W, b = effective_reft(cfg, config, params)
+    subtract = jnp.asarray([0.0, 1.0 if config.kind == "loreft" else 0.0], R.dtype)
+    return AdapterBank({}, {}, _with_base_slot(R), _with_base_slot(W), _with_base_slot(b), subtract,
+                       *_policy(config.policy))
+
+
+def reft_weights(config: ReftConfig, params: dict, cfg: ModelConfig) -> ReftWeights:
+    R, W, b = effective_reft(cfg, config, params)
+    return ReftWeights(config, np.asarray(R, np.float32), np.asarray(W, np.float32), np.asarray(b, np.float32))
+
+
+def adapter_bank(cfg: ModelConfig, config: LoraConfig | ReftConfig, params: dict) -> AdapterBank:
+    return (lora_bank if isinstance(config, LoraConfig) else reft_bank)(cfg, config, params)
+
+
+def init_adapter(cfg: ModelConfig, config: LoraConfig | ReftConfig, key, dtype=jnp.float32) -> dict:
+    return (init_lora if isinstance(config, LoraConfig) else init_reft)(cfg, config, key, dtype)
+
+
+def adapter_weights(cfg: ModelConfig, config: LoraConfig | ReftConfig, params: dict):
+    if isinstance(config, LoraConfig):
+        return lora_weights(config, params, cfg)
+    return reft_weights(config, params, cfg)
