@@ -1,0 +1,50 @@
+"""`python -m preft_jax "question"`: chat with the default model (optionally through an adapter)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m preft_jax", description=__doc__)
+    ap.add_argument("prompt", help="user message (chat template applied) or raw text with --raw")
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
+    ap.add_argument("--adapter", default=None, help="adapter folder (PEFT LoRA or preft ReFT)")
+    ap.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from preft_jax.adapters.bank import build_bank
+    from preft_jax.adapters.reft_io import load_adapter
+    from preft_jax.generation import ModelRunner
+    from preft_jax.loading import load_model
+    from preft_jax.model import Llama
+    from preft_jax.sampling import SamplingParams
+
+    try:
+        cfg, params, tok = load_model(args.model)
+        bank = build_bank(cfg, [load_adapter(args.adapter, cfg)]) if args.adapter else None
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runner = ModelRunner(Llama.from_params(cfg, params))
+    ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_tokens,
+                              stop_token_ids=tuple(tok.eos_token_ids))
+    try:
+        out = runner.generate([ids], sampling, bank=bank, adapter_ids=[1] if bank is not None else None,
+                              key=jax.random.key(args.seed))[0]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(tok.decode(out.tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
