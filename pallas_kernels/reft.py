@@ -140,6 +140,8 @@ def reft_apply(h, R, W, b, subtract, adapter_idx, *, block_tokens: int = 16,
         raise ValueError(f"expected b [N, r], subtract [N]; got {b.shape}, {subtract.shape}")
     if adapter_idx.shape != (h.shape[0],):
         raise ValueError(f"adapter_idx must be [T]={h.shape[0]}, got {adapter_idx.shape}")
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     idx = jnp.clip(adapter_idx.astype(jnp.int32), 0, n - 1)
     M = W.astype(jnp.float32) - subtract.astype(jnp.float32)[:, None, None] * R.astype(jnp.float32)
     b3 = b.astype(jnp.float32)[:, None, :]

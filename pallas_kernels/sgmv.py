@@ -152,5 +152,7 @@ def lora_sgmv(x, A, B, adapter_idx, *, block_tokens: int = 16, block_out: int | 
         raise ValueError(f"shape mismatch: x {x.shape}, A {A.shape}, B {B.shape}")
     if adapter_idx.shape != (x.shape[0],):
         raise ValueError(f"adapter_idx must be [T]={x.shape[0]}, got {adapter_idx.shape}")
+    if block_tokens < 1 or (block_out is not None and block_out < 1):
+        raise ValueError(f"block sizes must be positive, got {block_tokens}, {block_out}")
     return _sgmv(x, A, B, adapter_idx.astype(jnp.int32), int(block_tokens), block_out,
                  resolve_interpret(interpret))
