@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._platform import resolve_interpret
+from ._platform import check_lora_shapes, resolve_interpret
 from .sgmv import lora_sgmv_reference  # noqa: F401  (same semantics; re-exported)
 
 
@@ -97,12 +97,6 @@ _bgmv.defvjp(_bgmv_fwd, _bgmv_bwd)
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def lora_bgmv(x, A, B, adapter_idx, *, interpret: bool | None = None):
     """Per-token gathered LoRA delta [T, d_out] (see module docstring)."""
-    if x.ndim != 2 or A.ndim != 3 or B.ndim != 3:
-        raise ValueError(f"expected x [T, d_in], A [N, d_in, r], B [N, r, d_out]; got "
-                         f"{x.shape}, {A.shape}, {B.shape}")
-    if A.shape[1] != x.shape[1] or B.shape[:2] != (A.shape[0], A.shape[2]):
-        raise ValueError(f"shape mismatch: x {x.shape}, A {A.shape}, B {B.shape}")
-    if adapter_idx.shape != (x.shape[0],):
-        raise ValueError(f"adapter_idx must be [T]={x.shape[0]}, got {adapter_idx.shape}")
+    check_lora_shapes(x, A, B, adapter_idx)
     idx = jnp.clip(adapter_idx.astype(jnp.int32), 0, A.shape[0] - 1)
     return _bgmv(x, A, B, idx, resolve_interpret(interpret))

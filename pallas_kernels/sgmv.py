@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._group_layout import gather_rows, group_layout, padded_rows, scatter_rows
-from ._platform import resolve_interpret
+from ._platform import check_lora_shapes, resolve_interpret
 from .grouped_outer import grouped_outer_sum
 
 
@@ -145,13 +145,7 @@ _sgmv.defvjp(_sgmv_fwd, _sgmv_bwd)
 def lora_sgmv(x, A, B, adapter_idx, *, block_tokens: int = 16, block_out: int | None = None,
               interpret: bool | None = None):
     """Grouped LoRA delta [T, d_out] for mixed-adapter token batches (see module docstring)."""
-    if x.ndim != 2 or A.ndim != 3 or B.ndim != 3:
-        raise ValueError(f"expected x [T, d_in], A [N, d_in, r], B [N, r, d_out]; got "
-                         f"{x.shape}, {A.shape}, {B.shape}")
-    if A.shape[1] != x.shape[1] or B.shape[:2] != (A.shape[0], A.shape[2]):
-        raise ValueError(f"shape mismatch: x {x.shape}, A {A.shape}, B {B.shape}")
-    if adapter_idx.shape != (x.shape[0],):
-        raise ValueError(f"adapter_idx must be [T]={x.shape[0]}, got {adapter_idx.shape}")
+    check_lora_shapes(x, A, B, adapter_idx)
     if block_tokens < 1 or (block_out is not None and block_out < 1):
         raise ValueError(f"block sizes must be positive, got {block_tokens}, {block_out}")
     return _sgmv(x, A, B, adapter_idx.astype(jnp.int32), int(block_tokens), block_out,
