@@ -153,16 +153,39 @@ def set_slot(bank: AdapterBank, slot: int, weights: LoraWeights | ReftWeights | 
 
 def build_bank(cfg: ModelConfig, adapters: Sequence[LoraWeights | ReftWeights], capacity: int | None = None,
                dtype=jnp.float32) -> AdapterBank:
-    """Bank with adapters[i] in slot i + 1; `capacity` = number of adapter slots (default len(adapters))."""
+    """Bank with adapters[i] in slot i + 1; `capacity` = number of adapter slots (default len(adapters)).
+
+    Assembled in host memory and transferred once (set_slot per adapter would copy the bank N times).
+    """
     capacity = len(adapters) if capacity is None else capacity
     if capacity < len(adapters):
         raise ValueError(f"capacity {capacity} < {len(adapters)} adapters")
     loras = [a for a in adapters if isinstance(a, LoraWeights)]
     refts = [a for a in adapters if isinstance(a, ReftWeights)]
+    if len(loras) + len(refts) != len(adapters):
+        raise TypeError("adapters must be LoraWeights or ReftWeights")
     targets = sorted({t for a in loras for t in a.config.targets})
     lora_rank = max((a.config.rank for a in loras), default=0)
     reft_rank = max((a.config.rank for a in refts), default=0)
-    bank = empty_bank(cfg, capacity + 1, targets, lora_rank, reft_rank, dtype)
-    for i, w in enumerate(adapters):
-        bank = set_slot(bank, i + 1, w)
-    return bank
+    n, L, dims = capacity + 1, cfg.n_layers, cfg.projection_dims()
+    A = {t: np.zeros((L, n, dims[t][0], lora_rank), np.float32) for t in targets}
+    B = {t: np.zeros((L, n, lora_rank, dims[t][1]), np.float32) for t in targets}
+    R = W = b = sub = None
+    if refts:
+        R = np.zeros((L, n, reft_rank, cfg.d_model), np.float32)
+        W, b, sub = np.zeros_like(R), np.zeros((L, n, reft_rank), np.float32), np.zeros(n, np.float32)
+    for slot, w in enumerate(adapters, start=1):
+        if isinstance(w, LoraWeights):
+            for t in w.config.targets:
+                A[t][:, slot, :, :w.config.rank] = w.A[t]
+                B[t][:, slot, :w.config.rank, :] = np.asarray(w.B[t], np.float32) * w.config.scale
+        else:
+            r = w.config.rank
+            R[:, slot, :r], W[:, slot, :r], b[:, slot, :r] = w.R, w.W, w.b
+            sub[slot] = 1.0 if w.config.kind == "loreft" else 0.0
+    at, fk, lk = policy_arrays([PositionPolicy()] + [w.config.policy for w in adapters]
+                               + [PositionPolicy()] * (capacity - len(adapters)))
+    put = lambda x: None if x is None else jnp.asarray(x, dtype)
+    return AdapterBank({t: put(x) for t, x in A.items()}, {t: put(x) for t, x in B.items()},
+                       put(R), put(W), put(b), put(sub), all_tokens=jnp.asarray(at),
+                       first_k=jnp.asarray(fk), last_k=jnp.asarray(lk))
