@@ -31,6 +31,19 @@ class AdapterRegistry:
             self.bank = empty_bank(cfg, capacity + 1, tuple(lora_targets), lora_rank, reft_rank,
                                    dtype or jnp.float32)
 
+    @classmethod
+    def from_bank(cls, cfg: ModelConfig, bank: AdapterBank, names: Sequence[str]) -> "AdapterRegistry":
+        """Registers a prebuilt bank (e.g. from `build_bank`): names[i] -> slot i + 1."""
+        if len(names) > bank.n_slots - 1:
+            raise ValueError(f"{len(names)} names for {bank.n_slots - 1} adapter slots")
+        reg = cls(cfg, capacity=0)
+        reg.capacity, reg.bank = bank.n_slots - 1, bank
+        reg._refs = [0] * bank.n_slots
+        for slot, name in enumerate(names, start=1):
+            reg._slots[name] = slot
+            reg._kinds[name] = "lora" if bank.lora_A else "reft"
+        return reg
+
     # ---- loading ---------------------------------------------------------------------------
     def load(self, name: str, adapter: LoraWeights | ReftWeights | str) -> int:
         """Loads weights (or a folder) under `name`; returns its slot. Replacing a name is refused."""
