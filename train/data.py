@@ -1,0 +1,221 @@
+"""Datasets on disk (jsonl), loading through `datasets`, chat tokenization, padding and batching.
+
+* `write_dataset(folder, n_train, n_eval, seed)` writes ``train.jsonl`` / ``eval.jsonl`` of generated
+  examples (`train.tasks`); eval questions never repeat a train question.
+* `load_split(folder, split)` loads them with ``datasets.load_dataset("json", data_files=...)``
+  (local files only).
+* `tokenize_row` renders the prompt with the tokenizer's chat template (system + user message,
+  generation prompt added) and appends the response tokens + the end-of-turn token, so training
+  sees exactly the ids inference produces: the prompt ids, then generated ids.
+* `pad_batch` right-pads to a length bucket and builds the per-token response mask.
+* `BatchIterator`: seeded epoch shuffles with a resumable integer position (batches consumed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from train.tasks import SYSTEM_PROMPT, TASKS, generate_examples
+
+SPLITS = ("train", "eval")
+
+
+# ------------------------------------------------------------------------------------ on disk
+def write_dataset(folder: str | os.PathLike, n_train: int, n_eval: int, seed: int = 0,
+                  tasks: Sequence[str] = TASKS, max_ops: int = 3) -> dict[str, str]:
+    """Writes train.jsonl and eval.jsonl; returns {split: path}. Deterministic per (sizes, seed, tasks)."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    train = generate_examples(n_train, seed, tasks, max_ops)
+    seen = {e.question for e in train}
+    evals, k = [], 0
+    while len(evals) < n_eval:      # eval stream from a different seed, deduplicated against train
+        for e in generate_examples(max(2 * n_eval, 8), seed + 1_000_003 + k, tasks, max_ops):
+            if e.question not in seen and len(evals) < n_eval:
+                seen.add(e.question)
+                evals.append(dataclasses.replace(e, id=f"eval-{len(evals)}-{e.task}"))
+        k += 1
+        if k > 100:
+            raise ValueError(f"could not draw {n_eval} eval examples distinct from the train set")
+    paths = {}
+    for split, rows in (("train", train), ("eval", evals)):
+        path = folder / f"{split}.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            for e in rows:
+                f.write(json.dumps(e.to_json()) + "\n")
+        paths[split] = str(path)
+    with open(folder / "meta.json", "w", encoding="utf-8") as f:
+        json.dump({"n_train": n_train, "n_eval": n_eval, "seed": seed, "tasks": list(tasks),
+                   "max_ops": max_ops}, f, indent=1)
+    return paths
+
+
+def load_split(folder: str | os.PathLike, split: str = "train", cache_dir: str | None = None):
+    """A `datasets.Dataset` of one split, loaded from the local jsonl with the json builder."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    path = pathlib.Path(folder) / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path}; create the dataset with train.data.write_dataset")
+    import datasets
+    return datasets.load_dataset("json", data_files={split: str(path)}, split=split, cache_dir=cache_dir)
+
+
+# ------------------------------------------------------------------------------- tokenization
+def prompt_messages(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[dict]:
+    msgs = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    return msgs + [{"role": "user", "content": question}]
+
+
+def encode_prompt(tokenizer, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[int]:
+    """Prompt ids exactly as served: chat template with the assistant generation prompt."""
+    return tokenizer.encode_chat(prompt_messages(question, system_prompt), add_generation_prompt=True)
+
+
+def end_of_turn_id(tokenizer) -> int:
+    if not tokenizer.eos_token_ids:
+        raise ValueError("tokenizer has no end-of-turn / eos token")
+    return tokenizer.eos_token_ids[0]
+
+
+@dataclasses.dataclass
+class Tokenized:
+    """Token lists of a dataset split: sequence b is prompts[b] + responses[b]."""
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    answers: list[int]
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def sequence(self, i: int) -> list[int]:
+        return self.prompts[i] + self.responses[i]
+
+
+def tokenize_row(tokenizer, row: dict, system_prompt: str | None = SYSTEM_PROMPT) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids + end-of-turn id)."""
+    prompt = encode_prompt(tokenizer, row["question"], system_prompt)
+    response = tokenizer.encode(row["response"]) + [end_of_turn_id(tokenizer)]
+    return prompt, response
+
+
+def tokenize_dataset(tokenizer, rows: Iterable[dict], system_prompt: str | None = SYSTEM_PROMPT,
+                     max_len: int | None = None) -> Tokenized:
+    """Tokenizes every row; rows longer than max_len tokens are dropped."""
+    out = Tokenized([], [], [])
+    for row in rows:
+        p, r = tokenize_row(tokenizer, row, system_prompt)
+        if max_len is not None and len(p) + len(r) > max_len:
+            continue
+        out.prompts.append(p)
+        out.responses.append(r)
+        out.answers.append(int(row["answer"]))
+    return out
+
+
+# ------------------------------------------------------------------------------------ batches
+@dataclasses.dataclass
+class Batch:
+    """Right-padded teacher-forcing batch.
+
+    tokens [B, T] int32; prompt_lengths [B]; lengths [B] (prompt + response);
+    loss_mask [B, T] float32 - 1 on response tokens (t in [prompt_length, length)), the tokens
+    whose log-likelihood is scored (predicted by the logits at t - 1). Prompt and padding are 0.
+    """
+    tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    lengths: np.ndarray
+    loss_mask: np.ndarray
+
+    def arrays(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def bucket(n: int, multiple: int = 16, max_len: int | None = None) -> int:
+    """Smallest multiple of `multiple` >= n (capped at max_len, which must still fit n)."""
+    t = max(multiple, -(-n // multiple) * multiple)
+    if max_len is not None:
+        if n > max_len:
+            raise ValueError(f"sequence of {n} tokens exceeds max_len={max_len}")
+        t = min(t, max_len)
+    return t
+
+
+def pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int = 0,
+              length: int | None = None, multiple: int = 16) -> Batch:
+    """Concatenates prompt + response per row and right-pads to `length` (default: bucket of the max)."""
+    if len(prompts) != len(responses) or not prompts:
+        raise ValueError("need equally many (>= 1) prompts and responses")
+    lengths = np.array([len(p) + len(r) for p, r in zip(prompts, responses)], np.int32)
+    plens = np.array([len(p) for p in prompts], np.int32)
+    if np.any(plens < 1):
+        raise ValueError("every prompt needs at least one token")
+    T = bucket(int(lengths.max()), multiple) if length is None else length
+    if lengths.max() > T:
+        raise ValueError(f"sequence of {lengths.max()} tokens does not fit length {T}")
+    tokens = np.full((len(prompts), T), pad_id, np.int32)
+    mask = np.zeros((len(prompts), T), np.float32)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        tokens[b, :len(p)] = p
+        tokens[b, len(p):len(p) + len(r)] = r
+        mask[b, len(p):len(p) + len(r)] = 1.0
+    return Batch(tokens, plens, lengths, mask)
+
+
+class BatchIterator:
+    """Deterministic, resumable batches over a Tokenized split.
+
+    Epoch e visits the rows in the order `permutation(seed, e)`; the position is the number of
+    batches consumed so far (an int that checkpoints store). Batches never straddle epochs (the
+    last partial batch of an epoch is dropped).
+    """
+
+    def __init__(self, data: Tokenized, batch_size: int, seed: int = 0, position: int = 0,
+                 pad_id: int = 0, length: int | None = None, multiple: int = 16, shuffle: bool = True):
+        if batch_size < 1 or batch_size > len(data):
+            raise ValueError(f"batch_size {batch_size} must be in [1, {len(data)}] (the dataset size)")
+        self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.position, self.pad_id, self.length, self.multiple = position, pad_id, length, multiple
+        self.shuffle = shuffle
+        self.per_epoch = len(data) // batch_size
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.data))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
+
+    def indices(self, position: int) -> np.ndarray:
+        epoch, k = divmod(position, self.per_epoch)
+        return self._order(epoch)[k * self.batch_size:(k + 1) * self.batch_size]
+
+    def batch_at(self, position: int) -> Batch:
+        idx = self.indices(position)
+        return pad_batch([self.data.prompts[i] for i in idx], [self.data.responses[i] for i in idx],
+                         self.pad_id, self.length, self.multiple)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        b = self.batch_at(self.position)
+        self.position += 1
+        return b
+
+
+def eval_batches(data: Tokenized, batch_size: int, pad_id: int = 0, length: int | None = None,
+                 multiple: int = 16) -> list[Batch]:
+    """Every row once, in order; the last batch is padded with copies of row 0 masked out."""
+    out = []
+    for s in range(0, len(data), batch_size):
+        idx = list(range(s, min(s + batch_size, len(data))))
+        n_real = len(idx)
+        idx += [0] * (batch_size - n_real)
+        b = pad_batch([data.prompts[i] for i in idx], [data.responses[i] for i in idx], pad_id, length, multiple)
+        b.loss_mask[n_real:] = 0.0
+        out.append(b)
+    return out
