@@ -1,0 +1,197 @@
+"""SFT trainer: the loss is the inference computation (teacher-forced adapted prompt + base response
+== adapted prefill then base decode through the KV cache), masking, gradients, learning."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from preft_jax.adapters.positions import token_adapter_index
+from preft_jax.adapters.trainable import adapter_bank, init_adapter
+from preft_jax.config import tiny_config
+from preft_jax.generation import ModelRunner, sequence_logits
+from preft_jax.kv_cache import KVCache
+from preft_jax.model import Llama
+from reference_llama import random_params
+from train.common import make_adapter_config, token_logprobs
+from train.data import Tokenized, pad_batch
+from train.sft import SFTTrainer, TrainConfig, _parse, batch_arrays, sft_loss
+
+CFG = tiny_config()
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(Llama.from_params(CFG, random_params(CFG, seed=0)))
+
+
+def _random_adapter(kind, mode, seed=1, rank=4):
+    """Trainable params made non-trivial (LoRA B != 0; ReFT W != R, b != 0)."""
+    acfg = make_adapter_config(kind, rank, mode, targets=("q", "k", "v", "o", "gate", "up", "down"),
+                               layers=None if kind == "lora" else (0, 2), n_layers=CFG.n_layers)
+    params = init_adapter(CFG, acfg, jax.random.key(seed))
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
+    leaves = [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    return acfg, jax.tree.unflatten(tree, leaves)
+
+
+def _batch(seed=0, B=3, pad_id=0):
+    rng = np.random.default_rng(seed)
+    prompts = [list(map(int, rng.integers(3, CFG.vocab_size, n))) for n in (5, 9, 3)[:B]]
+    responses = [list(map(int, rng.integers(3, CFG.vocab_size, n))) + [2] for n in (4, 2, 6)[:B]]
+    return prompts, responses, pad_batch(prompts, responses, pad_id=pad_id, length=24)
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("kind", ["lora", "reft"])
+@pytest.mark.parametrize("mode", ["prefill", "all"])
+def test_loss_equals_explicit_response_loop(runner, kind, mode):
+    acfg, params = _random_adapter(kind, mode)
+    prompts, responses, b = _batch()
+    arrays = {k: jnp.asarray(v) for k, v in batch_arrays(b).items()}
+    loss = float(sft_loss(CFG, acfg, runner.graphdef, runner.state, params, arrays, chunk=5))  # chunked path
+    bank = adapter_bank(CFG, acfg, params)
+    logits = sequence_logits(runner.graphdef, runner.state, jnp.asarray(b.tokens), jnp.asarray(b.prompt_lengths),
+                             bank, jnp.ones(3, jnp.int32))
+    lp = _log_softmax(logits)
+    nll, n = 0.0, 0
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq = p + r
+        for t in range(len(p), len(seq)):          # every response token (end-of-turn included), nothing else
+            nll -= lp[i, t - 1, seq[t]]
+            n += 1
+    assert n == int(b.loss_mask.sum())
+    np.testing.assert_allclose(loss, nll / n, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["lora", "reft"])
+@pytest.mark.parametrize("mode", ["prefill", "all"])
+def test_teacher_forcing_equals_prefill_then_decode(runner, kind, mode):
+    """Training == inference: adapted prefill of the prompt into the KV cache, then the response
+    decoded token by token (base weights in prefill mode, adapter in all-token mode)."""
+    acfg, params = _random_adapter(kind, mode, seed=3)
+    prompts, responses, b = _batch(seed=1)
+    bank = adapter_bank(CFG, acfg, params)
+    ids = jnp.ones(3, jnp.int32)
+    tokens, plen = jnp.asarray(b.tokens), jnp.asarray(b.prompt_lengths)
+    tf_logits = np.asarray(sequence_logits(runner.graphdef, runner.state, tokens, plen, bank, ids))
+    tf_lp = np.asarray(token_logprobs(runner.graphdef, runner.state, tokens, plen, bank, ids, chunk=7))
+
+    Tp = max(len(p) for p in prompts)
+    ptoks = np.zeros((3, Tp), np.int32)
+    for i, p in enumerate(prompts):
+        ptoks[i, :len(p)] = p
+    cache = KVCache.create(CFG, 3, 32)
+    last, cache = runner.prefill(jnp.asarray(ptoks), plen, jnp.arange(3, dtype=jnp.int32), cache, bank, ids)
+    inf_logits = [np.asarray(last)]                       # predicts response token 0
+    dbank, dids = (None, None) if mode == "prefill" else (bank, ids)
+    for j in range(max(len(r) for r in responses) - 1):
+        tok = np.array([r[j] if j < len(r) else 0 for r in responses], np.int32)
+        lg, cache = runner.decode(jnp.asarray(tok), plen + j, cache, dbank, dids, plen)
+        inf_logits.append(np.asarray(lg))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        for j in range(len(r)):
+            t = len(p) + j                                   # response token t predicted at t - 1
+            np.testing.assert_allclose(tf_logits[i, t - 1], inf_logits[j][i], rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(tf_lp[i, t], _log_softmax(inf_logits[j][i])[r[j]], rtol=2e-4, atol=2e-4)
+
+
+def test_prefill_mode_adapter_index_and_gradient(runner):
+    acfg = make_adapter_config("lora", 4, "prefill", n_layers=CFG.n_layers)
+    params = init_adapter(CFG, acfg, jax.random.key(0))        # identity init: B = 0
+    prompts, responses, b = _batch()
+    bank = adapter_bank(CFG, acfg, params)
+    T = b.tokens.shape[1]
+    idx = np.asarray(token_adapter_index(bank, jnp.ones(3, jnp.int32), jnp.broadcast_to(jnp.arange(T), (3, T)),
+                                         jnp.asarray(b.prompt_lengths)))
+    for i, p in enumerate(prompts):
+        assert np.all(idx[i, :len(p)] == 1)                   # prompt tokens (the last one included) adapted
+        assert np.all(idx[i, len(p):] == 0)                   # response + padding on base weights
+    assert np.all(b.loss_mask[idx == 1] == 0)                 # no scored token runs the adapter itself
+    all_bank = adapter_bank(CFG, dataclasses.replace(acfg, policy=make_adapter_config("lora", 4, "all").policy),
+                            params)
+    assert np.all(np.asarray(token_adapter_index(all_bank, jnp.ones(3, jnp.int32),
+                                                 jnp.broadcast_to(jnp.arange(T), (3, T)),
+                                                 jnp.asarray(b.prompt_lengths))) == 1)
+    arrays = {k: jnp.asarray(v) for k, v in batch_arrays(b).items()}
+    grads = jax.grad(lambda q: sft_loss(CFG, acfg, runner.graphdef, runner.state, q, arrays))(params)
+    # the loss is on base-weight response tokens only; the gradient reaches the adapter through
+    # attention to the adapted prompt keys/values
+    for t in acfg.targets:
+        assert float(jnp.abs(grads["B"][t]).max()) > 1e-6, t
+
+
+def test_padding_does_not_change_loss(runner):
+    acfg, params = _random_adapter("lora", "prefill")
+    prompts, responses, b = _batch()
+    ref = float(sft_loss(CFG, acfg, runner.graphdef, runner.state, params, batch_arrays(b)))
+    # other pad ids, and more padding
+    for pad_id, length in ((7, 24), (0, 40), (123, 17)):
+        b2 = pad_batch(prompts, responses, pad_id=pad_id, length=length)
+        got = float(sft_loss(CFG, acfg, runner.graphdef, runner.state, params, batch_arrays(b2)))
+        np.testing.assert_allclose(got, ref, rtol=1e-5)
+    # the mask covers exactly the response tokens
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        expect = np.zeros(24)
+        expect[len(p):len(p) + len(r)] = 1
+        np.testing.assert_array_equal(b.loss_mask[i], expect)
+    # a scored token changes the loss; a masked-out response row contributes nothing
+    b3 = pad_batch(prompts, responses, length=24)
+    b3.tokens[0, len(prompts[0]) + 1] = 99
+    assert abs(float(sft_loss(CFG, acfg, runner.graphdef, runner.state, params, batch_arrays(b3))) - ref) > 1e-4
+    b4 = pad_batch(prompts, responses, length=24)
+    b4.loss_mask[2] = 0
+    b5 = pad_batch(prompts[:2], responses[:2], length=24)
+    np.testing.assert_allclose(float(sft_loss(CFG, acfg, runner.graphdef, runner.state, params, batch_arrays(b4))),
+                               float(sft_loss(CFG, acfg, runner.graphdef, runner.state, params, batch_arrays(b5))),
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("adapter,mode", [("lora", "prefill"), ("lora", "all"), ("reft", "prefill")])
+def test_loss_decreases_on_learnable_task(runner, adapter, mode):
+    """The response is a fixed function of the prompt's first token: learnable through attention."""
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(3, 40, rng.integers(3, 8))] for _ in range(32)]
+    responses = [[p[0] + 50, p[0] + 100, 2] for p in prompts]
+    data = Tokenized(prompts, responses, [0] * 32)
+    tc = TrainConfig(adapter=adapter, rank=4, mode=mode, steps=25, batch_size=16, lr=2e-2, warmup_steps=2,
+                     log_every=0, seq_len=16)
+    trainer = SFTTrainer(CFG, runner.graphdef, runner.state, tc)
+    state, hist = trainer.fit(data, data)
+    first = np.mean([h["loss"] for h in hist[:2]])
+    assert hist[-1]["eval_loss"] < 0.6 * first, (first, hist[-1]["eval_loss"])
+    assert int(state.step) == 25
+
+
+def test_train_step_only_touches_adapter_and_base_is_constant(runner):
+    tc = TrainConfig(rank=2, steps=3, batch_size=3, lr=1e-2, warmup_steps=0, log_every=0)
+    trainer = SFTTrainer(CFG, runner.graphdef, runner.state, tc)
+    before = jax.tree.map(np.asarray, trainer.base_state)
+    ts = trainer.init_state()
+    p0 = jax.tree.map(np.asarray, ts.params)
+    _, _, b = _batch()
+    ts, m = trainer.step(ts, b)
+    ts, m = trainer.step(ts, b)
+    assert int(ts.step) == 2 and np.isfinite(float(m["loss"]))
+    assert any(not np.array_equal(a, np.asarray(c)) for a, c in zip(jax.tree.leaves(p0), jax.tree.leaves(ts.params)))
+    for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.base_state)):
+        np.testing.assert_array_equal(a, np.asarray(c))
+    assert set(ts.params) == {"A", "B"}
+
+
+def test_config_and_cli():
+    tc = TrainConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tc.rank = 3
+    assert TrainConfig.from_json(tc.to_json()) == tc
+    a = _parse(["--adapter", "reft", "--rank", "4", "--mode", "all", "--steps", "3"])
+    assert (a.adapter, a.rank, a.mode, a.steps) == ("reft", 4, "all", 3)
+    with pytest.raises(ValueError):
+        make_adapter_config("lora", 4, "decode")

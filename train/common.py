@@ -1,0 +1,176 @@
+"""Pieces shared by the SFT and GRPO trainers.
+
+* `token_logprobs`: teacher-forced log-likelihood of every token under the adapted model, through
+  `preft_jax.generation.sequence_hidden` - the same per-token adapter masking as prefill + decode
+  (prefill mode: prompt positions adapted, response positions on base weights attending to the
+  adapted prompt's keys/values). The vocab projection is chunked over the sequence and
+  rematerialized, so [B, T, V] float32 logits never exist at once.
+* `make_adapter_config`, `make_optimizer` (adamw, warmup + cosine, global-norm clipping).
+* `TrainState` (adapter params + optimizer state + step) and `ShardedSetup`: the mesh, the
+  base-model state placed with `preft_jax.sharding`, and the NamedSharding trees that the jitted
+  steps use as in/out shardings.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from preft_jax import sharding as shd
+from preft_jax.adapters.config import LoraConfig, PositionPolicy, ReftConfig
+from preft_jax.adapters.trainable import adapter_bank, init_adapter
+from preft_jax.config import ModelConfig
+from preft_jax.generation import sequence_hidden
+
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+MODES = ("prefill", "all")
+
+
+# --------------------------------------------------------------------------------- adapter config
+def make_adapter_config(adapter: str, rank: int, mode: str, alpha: float | None = None,
+                        targets=ALL_TARGETS, layers=None, reft_kind: str = "loreft",
+                        n_layers: int | None = None) -> LoraConfig | ReftConfig:
+    """LoraConfig / ReftConfig with PositionPolicy(mode). LoRA alpha defaults to 2 * rank.
+
+    ReFT `layers=None` means every layer (needs n_layers)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    policy = PositionPolicy(mode=mode)
+    if adapter == "lora":
+        return LoraConfig(rank=rank, alpha=float(2 * rank if alpha is None else alpha), targets=tuple(targets),
+                          layers=None if layers is None else tuple(layers), policy=policy)
+    if adapter == "reft":
+        if layers is None:
+            if n_layers is None:
+                raise ValueError("ReFT with layers=None needs n_layers")
+            layers = range(n_layers)
+        return ReftConfig(rank=rank, layers=tuple(layers), kind=reft_kind, policy=policy)
+    raise ValueError(f"adapter must be 'lora' or 'reft', got {adapter!r}")
+
+
+def make_optimizer(lr: float, steps: int, warmup_steps: int = 0, weight_decay: float = 0.0,
+                   grad_clip: float | None = 1.0, end_lr_ratio: float = 0.1):
+    """(optax transform, schedule): clip_by_global_norm -> adamw with linear warmup + cosine decay."""
+    warmup = max(0, min(warmup_steps, steps - 1))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else lr, peak_value=lr, warmup_steps=warmup,
+        decay_steps=max(steps, warmup + 1), end_value=lr * end_lr_ratio)
+    parts = [] if not grad_clip else [optax.clip_by_global_norm(grad_clip)]
+    parts.append(optax.adamw(schedule, weight_decay=weight_decay))
+    return optax.chain(*parts), schedule
+
+
+def mask_layer_grads(grads: dict, adapter_config, n_layers: int) -> dict:
+    """Zeroes (with `where`, so NaN/inf too) the gradient of layers outside `adapter_config.layers`.
+
+    Those layers are masked to zero in the forward pass, but for LoReFT the mask is applied after
+    the QR orthonormalization, whose gradient at the all-zero R of an unused layer is NaN
+    (0 * NaN = NaN), which global-norm clipping would spread to every parameter."""
+    layers = adapter_config.layers
+    if layers is None:
+        return grads
+    keep = np.zeros(n_layers, bool)
+    keep[list(layers)] = True
+    keep = jnp.asarray(keep)
+    return jax.tree.map(lambda g: jnp.where(keep.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0), grads)
+
+
+# ------------------------------------------------------------------------------------- logprobs
+def _target_logprobs(model, h, targets, temperature):
+    logits = model.logits(h)                                        # [B, c, V] float32
+    if temperature != 1.0:
+        logits = logits / temperature
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return tgt - jax.nn.logsumexp(logits, axis=-1)
+
+
+def token_logprobs(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None,
+                   temperature: float = 1.0, chunk: int | None = 64):
+    """[B, T] float32: entry t = log p(tokens[:, t] | tokens[:, :t]) (entry 0 = 0).
+
+    `chunk`: sequence positions per vocab-projection chunk (None: all at once). Each chunk is
+    rematerialized in the backward pass, so peak memory is O(B * chunk * V)."""
+    h = sequence_hidden(graphdef, state, tokens, prompt_lengths, bank, adapter_ids)[:, :-1]
+    targets = tokens[:, 1:]
+    model = nnx.merge(graphdef, state)
+    B, T1, d = h.shape
+    if chunk is None or T1 <= chunk:
+        lp = _target_logprobs(model, h, targets, temperature)
+    else:
+        n = -(-T1 // chunk)
+        pad = n * chunk - T1
+        hc = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, d).swapaxes(0, 1)
+        tc = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+        fn = jax.checkpoint(lambda x: _target_logprobs(model, x[0], x[1], temperature))
+        lp = jax.lax.map(fn, (hc, tc)).swapaxes(0, 1).reshape(B, n * chunk)[:, :T1]
+    return jnp.pad(lp, ((0, 0), (1, 0)))
+
+
+def adapted_logprobs(model_cfg: ModelConfig, adapter_config, graphdef, state, params, tokens, prompt_lengths,
+                     adapter_id: int = 1, temperature: float = 1.0, chunk: int | None = 64):
+    """token_logprobs with the trainable adapter's 2-slot bank; adapter_id 1 = adapted, 0 = base."""
+    bank = adapter_bank(model_cfg, adapter_config, params)
+    ids = jnp.full((tokens.shape[0],), adapter_id, jnp.int32)
+    return token_logprobs(graphdef, state, tokens, prompt_lengths, bank, ids, temperature, chunk)
+
+
+# ------------------------------------------------------------------------------------ the state
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: dict
+    opt_state: optax.OptState
+    step: jax.Array
+
+
+def init_train_state(model_cfg: ModelConfig, adapter_config, tx, key, dtype=jnp.float32) -> TrainState:
+    params = init_adapter(model_cfg, adapter_config, key, dtype)
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+
+class ShardedSetup:
+    """A mesh, the base model state on it, and the shardings of TrainState / batches."""
+
+    def __init__(self, model_cfg: ModelConfig, graphdef, base_state, adapter_config, tx,
+                 mesh: jax.sharding.Mesh | None = None):
+        self.model_cfg, self.graphdef, self.adapter_config, self.tx = model_cfg, graphdef, adapter_config, tx
+        self.mesh = shd.make_mesh() if mesh is None else mesh
+        self.base_shardings = shd.model_state_shardings(base_state, self.mesh)
+        self.base_state = jax.device_put(base_state, self.base_shardings)
+        abstract = jax.eval_shape(lambda k: init_train_state(model_cfg, adapter_config, tx, k), jax.random.key(0))
+        p_sh = shd.adapter_shardings(abstract.params, self.mesh)
+        o_sh = shd.optimizer_shardings(tx, abstract.opt_state, p_sh, self.mesh)
+        self.state_shardings = TrainState(p_sh, o_sh, shd.replicated(self.mesh))
+        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                           abstract, self.state_shardings)
+        self._init = jax.jit(lambda k: init_train_state(model_cfg, adapter_config, tx, k),
+                             out_shardings=self.state_shardings)
+
+    def init_state(self, key) -> TrainState:
+        return self._init(key)
+
+    def batch_shardings(self, batch: dict):
+        return shd.batch_shardings(batch, self.mesh)
+
+    def put_batch(self, batch: dict) -> dict:
+        return shd.shard_batch({k: np.asarray(v) for k, v in batch.items()}, self.mesh)
+
+    def jit_step(self, fn: Callable, batch_example: dict, donate: bool = True):
+        """jit `fn(train_state, base_state, batch) -> (train_state, metrics)` with NamedShardings."""
+        return jax.jit(fn, in_shardings=(self.state_shardings, self.base_shardings,
+                                         self.batch_shardings(batch_example)),
+                       out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
+                       donate_argnums=(0,) if donate else ())
+
+
+def to_host(tree):
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def scalars(metrics: dict) -> dict:
+    return {k: float(np.asarray(v)) for k, v in metrics.items()}
