@@ -1,0 +1,97 @@
+"""Orbax checkpoints of training runs, and export of the trained adapter to its serving format.
+
+A checkpoint (one `ocp.CheckpointManager` step folder) holds two items:
+
+* ``state``: the `TrainState` pytree - adapter params, optimizer state, step counter;
+* ``meta``: JSON - the step, the data-iterator position (batches consumed), the trainer's config,
+  and any extra fields (e.g. GRPO reward history).
+
+Restoring into the trainer's abstract state (shapes, dtypes and NamedShardings) resumes exactly:
+the data iterator continues at the saved position and the jitted step is the same function.
+
+`export_adapter` writes the trained adapter in the folder format serving loads: an HF PEFT LoRA
+folder (`save_peft_lora`) or the ReFT folder (`save_reft`), the PositionPolicy included.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from preft_jax.adapters.config import LoraConfig, LoraWeights, ReftConfig, ReftWeights
+from preft_jax.adapters.peft_io import save_peft_lora
+from preft_jax.adapters.reft_io import save_reft
+from preft_jax.adapters.trainable import adapter_weights
+from preft_jax.config import ModelConfig
+
+
+class Checkpointer:
+    """Saves every `save_every` steps (and when forced), keeps the newest `max_to_keep`."""
+
+    def __init__(self, directory: str | os.PathLike, save_every: int = 1, max_to_keep: int | None = 3):
+        self.directory = pathlib.Path(directory).absolute()
+        self.save_every = max(1, int(save_every))
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                               enable_async_checkpointing=False)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state, data_position: int, config: dict, extra: dict | None = None,
+             force: bool = False) -> bool:
+        """Saves when step is a multiple of save_every (or force). Returns whether it saved."""
+        if not force and step % self.save_every != 0:
+            return False
+        if step in self.manager.all_steps():
+            return False
+        meta = {"step": int(step), "data_position": int(data_position), "config": config, **(extra or {})}
+        saved = self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                               meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.wait_until_finished()
+        return bool(saved)
+
+    def restore(self, abstract_state, step: int | None = None):
+        """(state, meta) of `step` (default: the latest), restored into `abstract_state`'s structure,
+        shapes, dtypes and shardings (a pytree of jax.ShapeDtypeStruct, or of arrays)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+
+        def abstract(x):
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return x
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+        target = jax.tree.map(abstract, abstract_state)
+        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                meta=ocp.args.JsonRestore()))
+        return out["state"], dict(out["meta"])
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def export_adapter(folder: str | os.PathLike, model_cfg: ModelConfig, adapter_config: LoraConfig | ReftConfig,
+                   params: dict, base_model_name_or_path: str = "") -> LoraWeights | ReftWeights:
+    """Writes trained adapter params as a PEFT LoRA folder or a ReFT folder; returns the canonical weights."""
+    weights = adapter_weights(model_cfg, adapter_config, jax.tree.map(lambda x: np.asarray(jax.device_get(x)),
+                                                                        params))
+    if isinstance(weights, LoraWeights):
+        save_peft_lora(folder, weights, model_cfg, base_model_name_or_path)
+    else:
+        save_reft(folder, weights)
+    return weights
