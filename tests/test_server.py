@@ -1,0 +1,202 @@
+"""OpenAI-compatible server over the Engine: a tiny random model, a byte tokenizer, real HTTP on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+openai = pytest.importorskip("openai")
+
+from adapter_factory import random_lora, random_reft  # noqa: E402
+from preft_jax.adapters.bank import build_bank  # noqa: E402
+from preft_jax.adapters.peft_io import save_peft_lora  # noqa: E402
+from preft_jax.config import tiny_config  # noqa: E402
+from preft_jax.generation import ModelRunner  # noqa: E402
+from preft_jax.model import Llama  # noqa: E402
+from preft_jax.sampling import SamplingParams  # noqa: E402
+from reference_llama import random_params  # noqa: E402
+from serve.engine import Engine, EngineConfig  # noqa: E402
+from serve.registry import AdapterRegistry  # noqa: E402
+from serve.server import BackgroundServer, create_app  # noqa: E402
+
+BASE = "tiny-base"
+EOS = 2
+
+
+class ByteTokenizer:
+    """One token per latin-1 character (vocab 256, eos 2): text <-> tokens is a bijection."""
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return list(text.encode("latin-1", errors="replace"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) for i in ids).decode("latin-1")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **_) -> str:
+        text = "".join(f"{m['role'][0].upper()}:{m['content']}\n" for m in messages)
+        return text + ("A:" if add_generation_prompt else "")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    cfg = tiny_config()
+    runner = ModelRunner(Llama.from_params(cfg, random_params(cfg)))
+    registry = AdapterRegistry(cfg, 4, lora_rank=4, reft_rank=4)
+    adapters = {"lora-a": random_lora(cfg, 1), "reft-b": random_reft(cfg, 2), "lora-c": random_lora(cfg, 3)}
+    registry.load("lora-a", adapters["lora-a"])
+    registry.load("reft-b", adapters["reft-b"])
+    folder = tmp_path_factory.mktemp("adapters") / "lora-c"
+    save_peft_lora(folder, adapters["lora-c"], cfg)
+    tok = ByteTokenizer()
+    engine = Engine(runner, registry, EngineConfig(n_slots=4, max_len=64, prefill_batch=2), tok)
+    app = create_app(engine, tok, model_id=BASE)
+    server = BackgroundServer(app).start()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    yield dict(cfg=cfg, runner=runner, adapters=adapters, folder=str(folder), tok=tok, server=server,
+               client=client, url=server.url)
+    server.stop()
+    engine.shutdown()
+
+
+def reference(stack, prompt_ids, adapter, max_tokens):
+    """Independent greedy reference: ModelRunner.generate with a one-adapter bank (or none)."""
+    sp = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(EOS,))
+    if adapter is None:
+        gen = stack["runner"].generate([prompt_ids], sp)[0]
+    else:
+        bank = build_bank(stack["cfg"], [stack["adapters"][adapter]])
+        gen = stack["runner"].generate([prompt_ids], sp, bank=bank, adapter_ids=[1])[0]
+    return stack["tok"].decode(gen.tokens), gen.finish_reason
+
+
+PROMPT = "hello world"
+
+
+def test_completion_matches_reference_and_stream(stack):
+    c = stack["client"]
+    outs = {}
+    for model in (BASE, "lora-a", "reft-b"):
+        r = c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+        text, finish = reference(stack, stack["tok"].encode(PROMPT), None if model == BASE else model, 8)
+        assert r.choices[0].text == text and r.choices[0].finish_reason == finish
+        assert r.object == "text_completion" and r.model == model and r.id
+        assert r.usage.prompt_tokens == len(PROMPT)
+        assert r.usage.completion_tokens == len(text)
+        assert r.usage.total_tokens == len(PROMPT) + len(text)
+        chunks = list(c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == finish
+        outs[model] = text
+    assert outs["lora-a"] != outs[BASE] and outs["reft-b"] != outs[BASE]
+    # token-id prompt == the same string prompt
+    r = c.completions.create(model="lora-a", prompt=stack["tok"].encode(PROMPT), max_tokens=8, temperature=0)
+    assert r.choices[0].text == outs["lora-a"]
+
+
+def test_chat_completion_and_stream(stack):
+    c = stack["client"]
+    msgs = [{"role": "user", "content": "hi"}]
+    prompt_ids = stack["tok"].encode(stack["tok"].apply_chat_template(msgs))
+    r = c.chat.completions.create(model="reft-b", messages=msgs, max_tokens=6, temperature=0)
+    text, finish = reference(stack, prompt_ids, "reft-b", 6)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == finish and r.usage.prompt_tokens == len(prompt_ids)
+    chunks = list(c.chat.completions.create(model="reft-b", messages=msgs, max_tokens=6, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == finish
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+
+
+def test_stop_string(stack):
+    c = stack["client"]
+    full = c.completions.create(model=BASE, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    stop = full[3:5]
+    r = c.completions.create(model=BASE, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_models_lists_adapters(stack):
+    ids = [m.id for m in stack["client"].models.list().data]
+    assert ids[0] == BASE and {"lora-a", "reft-b"} <= set(ids)
+
+
+def test_runtime_adapter_load_use_unload(stack):
+    url, c = stack["url"], stack["client"]
+    r = httpx.post(f"{url}/v1/adapters", json={"name": "lora-c", "path": stack["folder"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["kind"] == "lora"
+    assert "lora-c" in [m.id for m in c.models.list().data]
+    dup = httpx.post(f"{url}/v1/adapters", json={"name": "lora-c", "path": stack["folder"]})
+    assert dup.status_code == 409 and "already loaded" in dup.json()["error"]["message"]
+    out = c.completions.create(model="lora-c", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    assert out == reference(stack, stack["tok"].encode(PROMPT), "lora-c", 8)[0]
+    assert httpx.delete(f"{url}/v1/adapters/lora-c").status_code == 200
+    assert "lora-c" not in [m.id for m in c.models.list().data]
+    gone = httpx.delete(f"{url}/v1/adapters/lora-c")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    bad = httpx.post(f"{url}/v1/adapters", json={"name": "bad", "path": stack["folder"] + "-missing"})
+    assert bad.status_code == 400 and "bad" in bad.json()["error"]["message"]
+    assert httpx.post(f"{url}/v1/adapters", json={"name": "x"}).status_code == 400
+
+
+def test_request_errors(stack):
+    url, c = stack["url"], stack["client"]
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=BASE, prompt="x" * 100, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "y" * 100}], stream=True)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=BASE, prompt=PROMPT, n=2)
+    r = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny-base", "prompt": ',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    for body in ({"prompt": "x"}, {"model": BASE, "prompt": 5}, {"model": BASE, "prompt": "x", "max_tokens": "3"},
+                 {"model": BASE, "prompt": "x", "temperature": -1}, {"model": BASE, "prompt": [1, 999]},
+                 [1, 2], {"model": BASE, "messages": "hi"}):
+        path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], (body, r.text)
+    assert httpx.get(f"{url}/v1/nothing").status_code == 404
+
+
+def _stream_text(url, body) -> str:
+    out = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(out)
+
+
+def test_failures_do_not_affect_running_requests(stack):
+    url = stack["url"]
+    body = {"model": "lora-a", "prompt": [5, 6, 7, 8], "max_tokens": 40, "temperature": 0}
+    alone = _stream_text(url, body)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("text", _stream_text(url, body)))
+    t.start()
+    bad = [({"model": "nope", "prompt": "x"}, 404), ({"model": BASE, "prompt": "z" * 80}, 400),
+           ({"model": BASE, "prompt": "x", "n": 2}, 400), ({"model": BASE, "prompt": [300]}, 400)]
+    for _ in range(3):
+        for b, status in bad:
+            assert httpx.post(f"{url}/v1/completions", json=b).status_code == status
+        assert httpx.post(f"{url}/v1/completions", content=b"{nope").status_code == 400
+    ok = httpx.post(f"{url}/v1/completions", json={"model": BASE, "prompt": "abc", "max_tokens": 3,
+                                                   "temperature": 0}, timeout=120)
+    assert ok.status_code == 200
+    t.join(timeout=120)
+    assert result["text"] == alone
+    assert "lora-a" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
