@@ -1,0 +1,182 @@
+"""Command line: one-off generation or the OpenAI-compatible server.
+
+    python -m serve generate --prompt "What is the capital of France?" [--adapter NAME=FOLDER ...]
+                             [--use NAME] [--max-tokens 64] [--temperature 0] [--mode prefill|all]
+    python -m serve server [--host 127.0.0.1] [--port 8000] [--adapter NAME=FOLDER ...]
+                           [--mode prefill|all] [--slots 8] [--max-len 1024] [--backend jnp|pallas]
+                           [--model PATH] [--capacity 16] [--lora-rank 16] [--reft-rank 8]
+
+A missing model or adapter folder, or an adapter that does not load, exits with status 2 and a
+message on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class CliError(Exception):
+    """A user error: printed as `error: ...`, exit status 2."""
+
+
+def _parse_adapters(specs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise CliError(f"--adapter takes NAME=FOLDER, got {spec!r}")
+        if name in out:
+            raise CliError(f"adapter name {name!r} given twice")
+        if not os.path.isdir(folder):
+            raise CliError(f"adapter folder for {name!r} does not exist or is not a folder: {folder}")
+        out[name] = folder
+    return out
+
+
+def _load_model(path):
+    from preft_jax.loading import load_model
+    try:
+        return load_model(path)
+    except FileNotFoundError as e:
+        raise CliError(f"model not found: {e}") from None
+    except (ValueError, OSError) as e:
+        raise CliError(f"could not load the model {path!r}: {e}") from None
+
+
+def _load_adapter_weights(cfg, folders: dict[str, str]) -> dict:
+    from preft_jax.adapters.reft_io import load_adapter
+    weights = {}
+    for name, folder in folders.items():
+        try:
+            weights[name] = load_adapter(folder, cfg)
+        except (ValueError, OSError) as e:
+            raise CliError(f"could not load adapter {name!r} from {folder}: {e}") from None
+    return weights
+
+
+def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank, reft_rank, mode, slots,
+                  max_len, backend, prefill_batch=4):
+    from preft_jax.generation import ModelRunner
+    from preft_jax.model import Llama
+    from serve.engine import Engine, EngineConfig
+    from serve.registry import AdapterRegistry
+    if max_len > cfg.max_seq_len:
+        raise CliError(f"--max-len {max_len} exceeds the model's context {cfg.max_seq_len}")
+    if len(weights) > capacity:
+        raise CliError(f"{len(weights)} adapters given but --capacity is {capacity}")
+    runner = ModelRunner(Llama.from_params(cfg, params, adapter_backend=backend))
+    registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank)
+    for name, w in weights.items():
+        try:
+            registry.load(name, w)
+        except ValueError as e:
+            raise CliError(f"adapter {name!r} does not fit the adapter bank: {e} "
+                           f"(see --lora-rank / --reft-rank)") from None
+    try:
+        config = EngineConfig(n_slots=slots, max_len=max_len, mode=mode, prefill_batch=min(prefill_batch, slots))
+        return Engine(runner, registry, config, tokenizer)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _ranks(weights: dict) -> tuple[int, int]:
+    from preft_jax.adapters.config import LoraWeights
+    lora = [w.config.rank for w in weights.values() if isinstance(w, LoraWeights)]
+    reft = [w.config.rank for w in weights.values() if not isinstance(w, LoraWeights)]
+    return max(lora, default=1), max(reft, default=1)
+
+
+def cmd_generate(args) -> int:
+    from preft_jax.sampling import SamplingParams
+    folders = _parse_adapters(args.adapter)
+    if args.use is not None and args.use not in folders:
+        raise CliError(f"--use {args.use!r}: no such --adapter (given: {', '.join(folders) or 'none'})")
+    if args.max_tokens < 1:
+        raise CliError("--max-tokens must be >= 1")
+    if args.temperature < 0:
+        raise CliError("--temperature must be >= 0")
+    cfg, params, tok = _load_model(args.model)
+    weights = _load_adapter_weights(cfg, folders)
+    prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
+    max_len = min(cfg.max_seq_len, len(prompt_ids) + args.max_tokens + 1)
+    if len(prompt_ids) + 1 >= max_len:
+        raise CliError(f"prompt of {len(prompt_ids)} tokens does not fit the context {cfg.max_seq_len}")
+    lora_rank, reft_rank = _ranks(weights)
+    engine = _build_engine(cfg, params, tok, weights, capacity=len(weights), lora_rank=lora_rank,
+                           reft_rank=reft_rank, mode=args.mode, slots=1, max_len=max_len, backend=args.backend)
+    sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
+                        stop_token_ids=tuple(tok.eos_token_ids))
+    result = engine.generate([(prompt_ids, args.use, sp)])[0]
+    print(result.text)
+    return 0
+
+
+def cmd_server(args) -> int:
+    from serve.server import create_app, serve_forever
+    folders = _parse_adapters(args.adapter)
+    cfg, params, tok = _load_model(args.model)
+    weights = _load_adapter_weights(cfg, folders)
+    engine = _build_engine(cfg, params, tok, weights, capacity=args.capacity, lora_rank=args.lora_rank,
+                           reft_rank=args.reft_rank, mode=args.mode, slots=args.slots,
+                           max_len=args.max_len,
+                           backend=args.backend, prefill_batch=args.prefill_batch)
+    model_id = args.model_id or ("smollm2-135m-instruct" if args.model is None
+                                 else os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0])
+    app = create_app(engine, tok, model_id=model_id)
+    print(f"serving {model_id!r} (+ {len(weights)} adapter(s), mode={args.mode}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve_forever(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serve", description="preft_jax serving: PreFT adapted prefill, "
+                                "base-weights decode.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--model", default=None, help="a .gguf file or HF folder (default: embedded SmolLM2-135M)")
+        sp.add_argument("--adapter", action="append", default=[], metavar="NAME=FOLDER",
+                        help="load a PEFT LoRA or ReFT adapter folder under NAME (repeatable)")
+        sp.add_argument("--mode", choices=("prefill", "all"), default="prefill",
+                        help="prefill: adapters at prefill only (PreFT); all: adapters at every token")
+        sp.add_argument("--backend", choices=("jnp", "pallas"), default="jnp", help="adapter kernels")
+
+    g = sub.add_parser("generate", help="print the completion of one chat prompt")
+    common(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--use", default=None, metavar="NAME", help="adapter to use (default: the base model)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("server", help="run the OpenAI-compatible HTTP server")
+    common(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--slots", type=int, default=8, help="concurrent sequences (KV-cache slots)")
+    s.add_argument("--max-len", type=int, default=1024, help="KV-cache length per slot (prompt + completion)")
+    s.add_argument("--prefill-batch", type=int, default=4)
+    s.add_argument("--capacity", type=int, default=16, help="adapter slots (loaded at start + at run time)")
+    s.add_argument("--lora-rank", type=int, default=16, help="largest LoRA rank the bank holds")
+    s.add_argument("--reft-rank", type=int, default=8, help="largest ReFT rank the bank holds")
+    s.add_argument("--model-id", default=None, help="the base model's name in the API")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_server)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
