@@ -1,13 +1,19 @@
 """Slot-based continuous batching: adapted prefill into free slots, one decode step for all slots.
 
 Each `step()`:
-  1. admits waiting requests into free cache slots and prefills them in one batch with their
-     adapters (prompt tokens adapted; the last prompt token's logits sample the first token);
+  1. retires cancelled requests, then admits waiting requests into free cache slots and prefills
+     them in one batch with their adapters (prompt tokens adapted; the last prompt token's logits
+     sample the first token);
   2. runs one decode step for every slot: in PreFT mode ("prefill") on the base weights alone
      (`bank=None`: no adapter work at decode), in the all-token baseline ("all") with the bank
      (per-token gathered adapters, BGMV);
   3. retires finished requests (stop token or string, max tokens, cache full) and frees slots.
-Inactive slots are computed and ignored, so every step has the same shapes (no recompiles).
+Inactive slots are computed and ignored, so every step has the same shapes (no recompiles; prefill
+compiles once per power-of-two prompt-length bucket).
+
+Two APIs: `generate(requests)` steps synchronously until all are done; `start()` runs the step loop
+in a background thread, and `submit()` returns a `Request` whose events ("delta", then "done") are
+put into a queue (or any object with `.put`, e.g. an asyncio bridge) as tokens are produced.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ _sample = jax.jit(sample)
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     n_slots: int = 8
-    max_len: int = 512            # KV-cache length per slot (prompt + generated)
+    max_len: int = 512            # KV-cache length per slot (prompt + generated tokens)
     mode: str = "prefill"         # "prefill" (PreFT: base decode) or "all" (all-token baseline)
     prefill_batch: int = 4        # prompts prefilled together (padded to this many rows)
     seed: int = 0
@@ -47,18 +53,40 @@ class EngineConfig:
             raise ValueError("n_slots, prefill_batch must be >= 1 and max_len >= 2")
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One request for `Engine.generate` (tuples (prompt_ids, adapter, sampling[, stop]) work too)."""
+    prompt_ids: Sequence[int]
+    adapter: str | None = None
+    sampling: SamplingParams = SamplingParams()
+    stop: Sequence[str] = ()
+
+
 @dataclasses.dataclass
 class Result:
     request_id: int
     adapter: str | None
-    tokens: list[int]
-    text: str | None
-    finish_reason: str            # "stop" | "length"
+    tokens: list[int]             # generated ids (a stop token is not included)
+    text: str | None              # decoded text (None without a tokenizer), cut before a stop string
+    finish_reason: str            # "stop" | "length" | "cancelled"
     prompt_tokens: int
 
     @property
     def completion_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens}
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (not the request's fault)."""
 
 
 @dataclasses.dataclass
@@ -67,20 +95,22 @@ class Request:
     prompt_ids: list[int]
     adapter: str | None
     sampling: SamplingParams
+    stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
     adapter_slot: int
-    events: "queue.Queue" = dataclasses.field(default_factory=queue.Queue)
+    events: object = dataclasses.field(default_factory=queue.Queue)   # anything with .put(event)
     tokens: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     emitted_text: int = 0
+    cancelled: bool = False
     result: Result | None = None
 
     def wait(self, timeout: float | None = None) -> Result:
-        """Blocks until finished (background engine) and returns the result."""
+        """Blocks until finished (background engine) and returns the result (events: a queue.Queue)."""
         while self.result is None:
             kind, payload = self.events.get(timeout=timeout)
             if kind == "error":
-                raise RuntimeError(payload)
+                raise EngineError(payload)
         return self.result
 
     def stream(self, timeout: float | None = None):
@@ -88,7 +118,7 @@ class Request:
         while True:
             kind, payload = self.events.get(timeout=timeout)
             if kind == "error":
-                raise RuntimeError(payload)
+                raise EngineError(payload)
             yield kind, payload
             if kind == "done":
                 return
@@ -100,6 +130,8 @@ class Engine:
         self.runner, self.registry, self.config, self.tokenizer = runner, registry, config, tokenizer
         if config.max_len > runner.cfg.max_seq_len:
             raise ValueError(f"max_len {config.max_len} exceeds the model's context {runner.cfg.max_seq_len}")
+        if registry.mode != config.mode:
+            raise ValueError(f"registry mode {registry.mode!r} != engine mode {config.mode!r}")
         n = config.n_slots
         self.cache = KVCache.create(runner.cfg, n, config.max_len, runner.dtype)
         self._slot_req: list[Request | None] = [None] * n
@@ -119,10 +151,54 @@ class Engine:
         self._stop = threading.Event()
         self.steps = 0
 
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
     # ---- submission ------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], adapter: str | None = None,
-               sampling: SamplingParams = SamplingParams(), stop_strings: Sequence[str] = ()) -> Request:
-        """Validates and queues a request. Raises RequestError subclasses; nothing else is affected."""
+               sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+               events=None) -> Request:
+        """Validates and queues a request. Raises RequestError subclasses (UnknownAdapterError,
+        PromptTooLongError, ...) before anything is queued, so nothing else is affected.
+
+        Stops at any of `sampling.stop_token_ids` (default: the model's EOS ids; pass (-1,) for
+        none) and, with a tokenizer, at any of the `stop` strings (the text is cut before it)."""
+        prompt_ids, stop = self._check(prompt_ids, sampling, stop)
+        stop_ids = tuple(sampling.stop_token_ids) or tuple(self.runner.cfg.eos_token_ids)
+        slot = self.registry.acquire(adapter)             # raises UnknownAdapterError
+        req = Request(next(self._ids), prompt_ids, adapter, sampling, stop_ids, stop, slot)
+        if events is not None:
+            req.events = events
+        with self._lock:
+            self._waiting.append(req)
+        self._wake.set()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stops a queued or running request at the next step (finish_reason "cancelled")."""
+        req.cancelled = True
+        self._wake.set()
+
+    def generate(self, requests: Sequence) -> list[Result]:
+        """Synchronous: submits GenerationRequests (or (prompt_ids, adapter, sampling[, stop]) tuples)
+        and steps until all are done. Every request is validated before any is queued."""
+        if self._thread is not None:
+            raise RuntimeError("engine is running in the background; use submit() + wait()")
+        reqs = [r if isinstance(r, GenerationRequest) else GenerationRequest(*r) for r in requests]
+        for r in reqs:       # validate all first, so a bad one leaves nothing queued
+            self._validate_only(r)
+        handles = [self.submit(r.prompt_ids, r.adapter, r.sampling, r.stop) for r in reqs]
+        while any(h.result is None for h in handles):
+            self.step()
+        return [h.result for h in handles]
+
+    def _validate_only(self, r: GenerationRequest):
+        self._check(r.prompt_ids, r.sampling, r.stop)
+        if r.adapter is not None and r.adapter not in self.registry:
+            self.registry.acquire(r.adapter)          # raises UnknownAdapterError
+
+    def _check(self, prompt_ids, sampling: SamplingParams, stop):
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise RequestError("prompt is empty")
@@ -131,32 +207,31 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         limit = self.config.max_len
         if len(prompt_ids) >= limit:
-            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; this server's context is {limit} "
-                                     f"tokens (prompt + at least 1 generated)")
-        if stop_strings and self.tokenizer is None:
+            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the context length is {limit} "
+                                     f"tokens (prompt + at least 1 generated token)")
+        if len(prompt_ids) + sampling.max_new_tokens > limit:
+            raise PromptTooLongError(f"prompt of {len(prompt_ids)} tokens + max_tokens={sampling.max_new_tokens} "
+                                     f"exceeds the context length {limit}; ask for at most "
+                                     f"{limit - len(prompt_ids)} tokens")
+        stop = tuple(s for s in stop if s)
+        if stop and self.tokenizer is None:
             raise RequestError("stop strings need an engine with a tokenizer")
-        slot = self.registry.acquire(adapter)             # raises UnknownAdapterError
-        req = Request(next(self._ids), prompt_ids, adapter, sampling, tuple(s for s in stop_strings if s), slot)
-        with self._lock:
-            self._waiting.append(req)
-        self._wake.set()
-        return req
-
-    def generate(self, requests: Sequence[tuple]) -> list[Result]:
-        """Synchronous: submit (prompt_ids, adapter, sampling[, stop_strings]) tuples, step until done."""
-        if self._thread is not None:
-            raise RuntimeError("engine is running in the background; use submit() + wait()")
-        reqs = [self.submit(*r) for r in requests]
-        while any(r.result is None for r in reqs):
-            self.step()
-        return [r.result for r in reqs]
+        return prompt_ids, stop
 
     @property
     def busy(self) -> bool:
         return bool(self._waiting) or any(r is not None for r in self._slot_req)
 
+    @property
+    def active(self) -> int:
+        """Requests holding a cache slot now."""
+        return sum(r is not None for r in self._slot_req)
+
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> None:
+        for slot, req in enumerate(self._slot_req):
+            if req is not None and req.cancelled:
+                self._finish(slot, "cancelled")
         self._admit()
         if any(r is not None for r in self._slot_req):
             self._decode()
@@ -168,9 +243,14 @@ class Engine:
 
     def _admit(self):
         free = [i for i, r in enumerate(self._slot_req) if r is None]
+        batch = []
         with self._lock:
-            batch = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting),
-                                                                 self.config.prefill_batch))]
+            while self._waiting and len(batch) < min(len(free), self.config.prefill_batch):
+                req = self._waiting.popleft()
+                if req.cancelled:
+                    self._finish_request(req, "cancelled")
+                else:
+                    batch.append(req)
         if not batch:
             return
         P = self.config.prefill_batch
@@ -213,8 +293,7 @@ class Engine:
     def _accept(self, slot: int, token: int):
         """Records a sampled token for the request in `slot`; retires it if finished."""
         req = self._slot_req[slot]
-        sp = req.sampling
-        if token in sp.stop_token_ids:
+        if token in req.stop_token_ids:
             return self._finish(slot, "stop")
         req.tokens.append(token)
         self._last[slot] = token
@@ -224,9 +303,8 @@ class Engine:
             hit = min((i for i in (req.text.find(s) for s in req.stop_strings) if i >= 0), default=-1)
             if hit >= 0:
                 req.text = req.text[:hit]
-                self._emit_text(req)
-                return self._finish(slot, "stop")
-            # hold back text that could be the start of a stop string, and partial UTF-8
+                return self._finish(slot, "stop", last_token=token)
+            # hold back text that could be the start of a stop string, and a partial UTF-8 character
             hold = max((len(s) - 1 for s in req.stop_strings), default=0)
             safe = len(req.text) - hold
             if req.text.endswith("\ufffd"):
@@ -235,23 +313,25 @@ class Engine:
                 text_delta = req.text[req.emitted_text:safe]
                 req.emitted_text = safe
         req.events.put(("delta", ([token], text_delta)))
-        if len(req.tokens) >= sp.max_new_tokens:
+        if len(req.tokens) >= req.sampling.max_new_tokens:
             return self._finish(slot, "length")
-        if self._pos[slot] + 1 >= self.config.max_len:        # next token would not fit in the cache
+        if self._pos[slot] + 1 >= self.config.max_len:        # the cache is full (prompt + tokens == max_len)
             return self._finish(slot, "length")
 
-    def _emit_text(self, req: Request):
-        if len(req.text) > req.emitted_text:
-            req.events.put(("delta", ([], req.text[req.emitted_text:])))
-            req.emitted_text = len(req.text)
-
-    def _finish(self, slot: int, reason: str):
+    def _finish(self, slot: int, reason: str, last_token: int | None = None):
         req = self._slot_req[slot]
-        if self.tokenizer is not None:
-            self._emit_text(req)
+        self._slot_req[slot] = None
+        self._finish_request(req, reason, last_token)
+
+    def _finish_request(self, req: Request, reason: str, last_token: int | None = None):
+        pending = [] if last_token is None else [last_token]
+        if self.tokenizer is not None and len(req.text) > req.emitted_text:
+            req.events.put(("delta", (pending, req.text[req.emitted_text:])))
+            req.emitted_text = len(req.text)
+        elif pending:
+            req.events.put(("delta", (pending, "")))
         req.result = Result(req.request_id, req.adapter, list(req.tokens),
                             req.text if self.tokenizer is not None else None, reason, len(req.prompt_ids))
-        self._slot_req[slot] = None
         self.registry.release(req.adapter_slot)
         req.events.put(("done", req.result))
 
@@ -278,7 +358,7 @@ class Engine:
                 continue
             try:
                 self.step()
-            except Exception as e:  # never hang clients: fail every in-flight request
+            except Exception as e:  # never hang clients: fail every in-flight request, keep serving
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 time.sleep(0.01)
 
@@ -286,11 +366,10 @@ class Engine:
         with self._lock:
             waiting = list(self._waiting)
             self._waiting.clear()
-        for req in waiting:
+        running = [r for r in self._slot_req if r is not None]
+        self._slot_req = [None] * self.config.n_slots
+        # the failed step may have consumed (donated) the cache: start from a fresh one
+        self.cache = KVCache.create(self.runner.cfg, self.config.n_slots, self.config.max_len, self.runner.dtype)
+        for req in waiting + running:
             self.registry.release(req.adapter_slot)
             req.events.put(("error", message))
-        for slot, req in enumerate(self._slot_req):
-            if req is not None:
-                self._slot_req[slot] = None
-                self.registry.release(req.adapter_slot)
-                req.events.put(("error", message))

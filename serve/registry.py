@@ -2,41 +2,73 @@
 
 The bank's structure (capacity, LoRA targets and rank, ReFT rank) is fixed at construction so that
 loading an adapter never recompiles the serving steps. A slot is reused only after its adapter is
-unloaded, and unloading is refused while requests still use it.
+unloaded, and unloading is refused while requests still use it (each submitted request holds a
+reference on its adapter's slot until it finishes), so in-flight requests never see a slot change.
+
+The registry's `mode` decides which tokens every adapter acts on, whatever policy the adapter was
+saved with: "prefill" (PreFT: prompt tokens only; an adapter's first_k / last_k prompt window is
+kept) or "all" (the all-token baseline: prompt and generated tokens).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 from typing import Sequence
 
 from preft_jax.adapters.bank import AdapterBank, empty_bank, set_slot
-from preft_jax.adapters.config import LORA_TARGETS, LoraWeights, ReftWeights
+from preft_jax.adapters.config import LORA_TARGETS, LoraWeights, PositionPolicy, ReftWeights
 from preft_jax.adapters.reft_io import load_adapter
 from preft_jax.config import ModelConfig
-from serve.errors import AdapterInUseError, RequestError, UnknownAdapterError
+from serve.errors import (AdapterCapacityError, AdapterExistsError, AdapterInUseError, AdapterLoadError,
+                          RequestError, UnknownAdapterError)
+
+MODES = ("prefill", "all")
+
+
+def serving_policy(policy: PositionPolicy, mode: str) -> PositionPolicy:
+    """The position policy an adapter gets in a registry of `mode`."""
+    if mode == "all":
+        return PositionPolicy(mode="all")
+    return policy if policy.mode == "prefill" else PositionPolicy()
+
+
+def with_policy(weights: LoraWeights | ReftWeights, mode: str) -> LoraWeights | ReftWeights:
+    policy = serving_policy(weights.config.policy, mode)
+    if policy == weights.config.policy:
+        return weights
+    return dataclasses.replace(weights, config=dataclasses.replace(weights.config, policy=policy))
 
 
 class AdapterRegistry:
     def __init__(self, cfg: ModelConfig, capacity: int, lora_targets: Sequence[str] = LORA_TARGETS,
-                 lora_rank: int = 16, reft_rank: int = 8, dtype=None):
+                 lora_rank: int = 16, reft_rank: int = 8, mode: str = "prefill", dtype=None):
         import jax.numpy as jnp
+        if mode not in MODES:
+            raise ValueError(f"registry mode must be one of {MODES}, got {mode!r}")
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
         self.cfg = cfg
+        self.mode = mode
         self.capacity = capacity
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
-        self._refs = [0] * (capacity + 1)
         self._kinds: dict[str, str] = {}
+        self._refs = [0] * (capacity + 1)
         self.bank: AdapterBank | None = None
         if capacity:
             self.bank = empty_bank(cfg, capacity + 1, tuple(lora_targets), lora_rank, reft_rank,
                                    dtype or jnp.float32)
 
     @classmethod
-    def from_bank(cls, cfg: ModelConfig, bank: AdapterBank, names: Sequence[str]) -> "AdapterRegistry":
-        """Registers a prebuilt bank (e.g. from `build_bank`): names[i] -> slot i + 1."""
+    def from_bank(cls, cfg: ModelConfig, bank: AdapterBank, names: Sequence[str],
+                  mode: str = "prefill") -> "AdapterRegistry":
+        """Registers a prebuilt bank (e.g. from `build_bank`): names[i] -> slot i + 1.
+
+        The bank's per-slot policies are used as they are (the caller built them for `mode`)."""
         if len(names) > bank.n_slots - 1:
             raise ValueError(f"{len(names)} names for {bank.n_slots - 1} adapter slots")
-        reg = cls(cfg, capacity=0)
+        reg = cls(cfg, capacity=0, mode=mode)
         reg.capacity, reg.bank = bank.n_slots - 1, bank
         reg._refs = [0] * bank.n_slots
         for slot, name in enumerate(names, start=1):
@@ -45,31 +77,52 @@ class AdapterRegistry:
         return reg
 
     # ---- loading ---------------------------------------------------------------------------
-    def load(self, name: str, adapter: LoraWeights | ReftWeights | str) -> int:
-        """Loads weights (or a folder) under `name`; returns its slot. Replacing a name is refused."""
-        if not name or not isinstance(name, str):
+    def load(self, name: str, adapter: LoraWeights | ReftWeights | str | os.PathLike) -> int:
+        """Loads weights (or an adapter folder) under `name`; returns its slot.
+
+        Raises AdapterExistsError (name taken), AdapterCapacityError (no free slot), AdapterLoadError
+        (bad folder, or the adapter does not fit the bank's targets / ranks)."""
+        if not isinstance(name, str) or not name.strip():
             raise RequestError("adapter name must be a non-empty string")
-        weights = load_adapter(adapter, self.cfg) if isinstance(adapter, str) else adapter
+        with self._lock:                       # cheap checks first: no file reading for a taken name
+            self._check_loadable_locked(name)
+        if isinstance(adapter, (str, os.PathLike)):
+            try:
+                weights = load_adapter(adapter, self.cfg)
+            except (OSError, ValueError) as e:
+                raise AdapterLoadError(f"cannot load adapter {name!r} from {os.fspath(adapter)!r}: {e}") from e
+        elif isinstance(adapter, (LoraWeights, ReftWeights)):
+            weights = adapter
+        else:
+            raise TypeError(f"expected LoraWeights, ReftWeights or a folder path, got {type(adapter).__name__}")
+        weights = with_policy(weights, self.mode)
         with self._lock:
-            if name in self._slots:
-                raise RequestError(f"adapter {name!r} is already loaded; unload it first")
-            if self.bank is None:
-                raise RequestError("this server was started without adapter slots (capacity 0)")
+            self._check_loadable_locked(name)
             used = set(self._slots.values())
-            free = [s for s in range(1, self.capacity + 1) if s not in used]
-            if not free:
-                raise RequestError(f"all {self.capacity} adapter slots are in use")
-            slot = free[0]
-            self.bank = set_slot(self.bank, slot, weights)     # raises ValueError on mismatch
+            slot = next(s for s in range(1, self.capacity + 1) if s not in used)
+            try:
+                self.bank = set_slot(self.bank, slot, weights)
+            except (ValueError, TypeError) as e:
+                raise AdapterLoadError(f"adapter {name!r} does not fit this server's adapter bank: {e}") from e
             self._slots[name] = slot
             self._kinds[name] = "lora" if isinstance(weights, LoraWeights) else "reft"
             return slot
 
+    def _check_loadable_locked(self, name: str):
+        if name in self._slots:
+            raise AdapterExistsError(f"adapter {name!r} is already loaded; unload it first")
+        if self.bank is None:
+            raise AdapterCapacityError("this engine was started without adapter slots (capacity 0)")
+        if len(self._slots) >= self.capacity:
+            raise AdapterCapacityError(f"all {self.capacity} adapter slots are in use; unload one first")
+
     def unload(self, name: str) -> None:
+        """Clears the adapter's slot. Raises UnknownAdapterError, or AdapterInUseError while in use."""
         with self._lock:
             slot = self._slot_locked(name)
             if self._refs[slot]:
-                raise AdapterInUseError(f"adapter {name!r} is used by {self._refs[slot]} running request(s)")
+                raise AdapterInUseError(f"adapter {name!r} is used by {self._refs[slot]} running or queued "
+                                        f"request(s); retry when they finish")
             self.bank = set_slot(self.bank, slot, None)
             del self._slots[name], self._kinds[name]
 
@@ -94,6 +147,15 @@ class AdapterRegistry:
             with self._lock:
                 self._refs[slot] -= 1
 
+    def in_use(self, name: str) -> int:
+        with self._lock:
+            return self._refs[self._slot_locked(name)]
+
+    def __contains__(self, name) -> bool:
+        with self._lock:
+            return name in self._slots
+
     def names(self) -> dict[str, str]:
+        """Loaded adapters: name -> "lora" | "reft"."""
         with self._lock:
             return dict(self._kinds)
