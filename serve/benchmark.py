@@ -48,12 +48,12 @@ def bank_bytes(bank) -> int:
 
 def run_engine(runner, bank, mode, n_adapters, prompts, args):
     names = [str(i) for i in range(1, n_adapters + 1)]
-    reg = AdapterRegistry(runner.cfg, capacity=0) if bank is None else AdapterRegistry.from_bank(runner.cfg, bank, names)
+    reg = AdapterRegistry(runner.cfg, capacity=0) if bank is None else AdapterRegistry.from_bank(runner.cfg, bank, names, mode=mode)
     eng = Engine(runner, reg, EngineConfig(n_slots=args.slots, max_len=args.prompt_len + args.max_tokens + 1,
                                            mode=mode, prefill_batch=args.prefill_batch))
     rng = np.random.default_rng(1)
     chosen = [None if bank is None else names[int(rng.integers(0, n_adapters))] for _ in prompts]
-    sp = SamplingParams(max_new_tokens=args.max_tokens, stop_token_ids=())
+    sp = SamplingParams(max_new_tokens=args.max_tokens, stop_token_ids=(-1,))    # no early stop
 
     def once():
         reqs = [eng.submit(p, name, sp) for p, name in zip(prompts, chosen)]

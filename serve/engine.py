@@ -130,8 +130,7 @@ class Engine:
         self.runner, self.registry, self.config, self.tokenizer = runner, registry, config, tokenizer
         if config.max_len > runner.cfg.max_seq_len:
             raise ValueError(f"max_len {config.max_len} exceeds the model's context {runner.cfg.max_seq_len}")
-        if registry.mode != config.mode:
-            raise ValueError(f"registry mode {registry.mode!r} != engine mode {config.mode!r}")
+        registry.set_mode(config.mode)        # the engine's mode decides which tokens adapters act on
         n = config.n_slots
         self.cache = KVCache.create(runner.cfg, n, config.max_len, runner.dtype)
         self._slot_req: list[Request | None] = [None] * n

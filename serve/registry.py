@@ -76,6 +76,30 @@ class AdapterRegistry:
             reg._kinds[name] = "lora" if bank.lora_A else "reft"
         return reg
 
+    def set_mode(self, mode: str) -> None:
+        """Switches every loaded adapter to `mode` (the engine sets its registry's mode at construction).
+
+        "all" makes every slot all-token; "prefill" makes every slot prompt-only (a first_k / last_k
+        window saved with an adapter survives only if the registry was built in "prefill" mode)."""
+        if mode not in MODES:
+            raise ValueError(f"registry mode must be one of {MODES}, got {mode!r}")
+        import jax.numpy as jnp
+        import numpy as np
+        with self._lock:
+            if mode == self.mode:
+                return
+            self.mode = mode
+            if self.bank is None:
+                return
+            n = self.bank.n_slots
+            at = np.full(n, mode == "all")
+            at[0] = False
+            fk, lk = np.asarray(self.bank.first_k), np.asarray(self.bank.last_k)
+            if mode == "all":
+                fk, lk = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+            self.bank = dataclasses.replace(self.bank, all_tokens=jnp.asarray(at), first_k=jnp.asarray(fk),
+                                            last_k=jnp.asarray(lk))
+
     # ---- loading ---------------------------------------------------------------------------
     def load(self, name: str, adapter: LoraWeights | ReftWeights | str | os.PathLike) -> int:
         """Loads weights (or an adapter folder) under `name`; returns its slot.

@@ -57,11 +57,16 @@ def _alone(runner, ref_banks, mode, prompt, name, m):
 
 
 def _engine(runner, mode, n_slots=3, tokenizer=None):
-    reg = AdapterRegistry(CFG, capacity=4, lora_rank=4, reft_rank=4, mode=mode)
-    for name in NAMES:
-        reg.load(name, ADAPTERS[name])          # saved with a prefill policy; the registry mode decides
-    return Engine(runner, reg, EngineConfig(n_slots=n_slots, max_len=48, mode=mode, prefill_batch=2),
-                  tokenizer=tokenizer)
+    # adapters are saved with a prefill policy; the engine's mode decides, both for adapters loaded
+    # before the engine was built (registry.set_mode) and for adapters loaded at run time
+    reg = AdapterRegistry(CFG, capacity=4, lora_rank=4, reft_rank=4)
+    reg.load("a", ADAPTERS["a"])
+    reg.load("b", ADAPTERS["b"])
+    eng = Engine(runner, reg, EngineConfig(n_slots=n_slots, max_len=48, mode=mode, prefill_batch=2),
+                 tokenizer=tokenizer)
+    reg.load("c", ADAPTERS["c"])
+    assert reg.mode == mode
+    return eng
 
 
 def _greedy_replays(prompt, tokens, name, mode):
