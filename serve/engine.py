@@ -36,6 +36,14 @@ from serve.errors import PromptTooLongError, RequestError
 from serve.registry import AdapterRegistry
 
 _sample = jax.jit(sample)
+_argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def _pick(logits, key, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> np.ndarray:
+    """Per-row sampling (`preft_jax.sampling.sample`); an all-greedy batch skips its sort over the vocab."""
+    if not np.any(temperature > 0):
+        return np.asarray(_argmax(logits))          # == sample() for temperature 0 rows
+    return np.asarray(_sample(logits, key, jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,8 +275,7 @@ class Engine:
         logits, self.cache = self.runner.prefill(
             jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(slot_ids), self.cache, bank,
             None if bank is None else jnp.asarray(adapter_ids))
-        first = np.asarray(_sample(logits, self._next_key(), jnp.asarray(temp), jnp.asarray(top_p),
-                                   jnp.asarray(top_k)))
+        first = _pick(logits, self._next_key(), temp, top_p, top_k)
         for row, (req, slot) in enumerate(zip(batch, free)):
             self._slot_req[slot] = req
             self._plen[slot] = self._pos[slot] = len(req.prompt_ids)
@@ -282,8 +289,9 @@ class Engine:
             jnp.asarray(self._last), jnp.asarray(self._pos), self.cache, bank,
             None if bank is None else jnp.asarray(self._adapter),
             None if bank is None else jnp.asarray(self._plen))
-        nxt = np.asarray(_sample(logits, self._next_key(), jnp.asarray(self._temp), jnp.asarray(self._top_p),
-                                 jnp.asarray(self._top_k)))
+        active = np.array([r is not None for r in self._slot_req])
+        nxt = _pick(logits, self._next_key(), np.where(active, self._temp, 0.0).astype(np.float32),
+                    self._top_p, self._top_k)
         for slot, req in enumerate(self._slot_req):
             if req is not None:
                 self._pos[slot] += 1
