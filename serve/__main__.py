@@ -1,7 +1,7 @@
 """Command line: one-off generation or the OpenAI-compatible server.
 
     python -m serve generate --prompt "What is the capital of France?" [--adapter NAME=FOLDER ...]
-                             [--use NAME] [--max-tokens 64] [--temperature 0] [--mode prefill|all]
+                             [--use|--adapter-name NAME] [--max-tokens 64] [--temperature 0] [--mode prefill|all]
     python -m serve server [--host 127.0.0.1] [--port 8000] [--adapter NAME=FOLDER ...]
                            [--mode prefill|all] [--slots 8] [--max-len 1024] [--backend jnp|pallas]
                            [--model PATH] [--capacity 16] [--lora-rank 16] [--reft-rank 8]
@@ -90,6 +90,8 @@ def _ranks(weights: dict) -> tuple[int, int]:
 def cmd_generate(args) -> int:
     from preft_jax.sampling import SamplingParams
     folders = _parse_adapters(args.adapter)
+    if args.use is None and len(folders) == 1:
+        args.use = next(iter(folders))
     if args.use is not None and args.use not in folders:
         raise CliError(f"--use {args.use!r}: no such --adapter (given: {', '.join(folders) or 'none'})")
     if args.max_tokens < 1:
@@ -146,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="print the completion of one chat prompt")
     common(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--use", default=None, metavar="NAME", help="adapter to use (default: the base model)")
+    g.add_argument("--use", "--adapter-name", dest="use", default=None, metavar="NAME",
+                   help="adapter to use (default: the base model, or the only --adapter given)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.set_defaults(func=cmd_generate)

@@ -217,6 +217,9 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct") -> Fa
                         yield _sse(last)
         except RuntimeError as e:       # the engine failed this request: tell the client, end cleanly
             yield _sse({"error": {"message": str(e), "type": "server_error", "code": "engine_error"}})
+        finally:
+            if req.result is None:      # the client went away mid-stream: free the slot now
+                engine.cancel(req)
         yield "data: [DONE]\n\n"
 
     async def _wait(req):

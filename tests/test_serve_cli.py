@@ -42,3 +42,28 @@ def test_missing_model_exits_2(tmp_path):
 def test_bad_adapter_spec_exits_2():
     r = run_cli("generate", "--prompt", "hi", "--adapter", "no-equals-sign")
     assert r.returncode == 2 and "NAME=FOLDER" in r.stderr
+
+
+@pytest.mark.real_model
+def test_generate_with_adapter_matches_reference(default_model, tmp_path):
+    """`generate --adapter ft=FOLDER` (a PEFT LoRA folder) prints what ModelRunner.generate gives alone."""
+    from adapter_factory import random_lora
+    from preft_jax.adapters.bank import build_bank
+    from preft_jax.adapters.peft_io import load_peft_lora, save_peft_lora
+    from preft_jax.generation import ModelRunner
+    from preft_jax.model import Llama
+    from preft_jax.sampling import SamplingParams
+    cfg, params, tok = default_model
+    folder = tmp_path / "ft"
+    save_peft_lora(folder, random_lora(cfg, 5, rank=4, targets=("q", "v"), scale=0.1), cfg)
+    prompt = "Name a color."
+    r = run_cli("generate", "--prompt", prompt, "--adapter", f"ft={folder}", "--adapter-name", "ft",
+                "--max-tokens", "10")
+    assert r.returncode == 0, r.stderr
+    ids = tok.encode_chat([{"role": "user", "content": prompt}])
+    sp = SamplingParams(max_new_tokens=10, stop_token_ids=tuple(tok.eos_token_ids))
+    runner = ModelRunner(Llama.from_params(cfg, params))
+    bank = build_bank(cfg, [load_peft_lora(folder, cfg)])
+    adapted = runner.generate([ids], sp, bank=bank, adapter_ids=[1])[0].tokens
+    assert r.stdout.rstrip("\n") == tok.decode(adapted).rstrip("\n")
+    assert adapted != runner.generate([ids], sp)[0].tokens      # the adapter changes the answer

@@ -200,3 +200,29 @@ def test_failures_do_not_affect_running_requests(stack):
     t.join(timeout=120)
     assert result["text"] == alone
     assert "lora-a" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+
+
+@pytest.mark.real_model
+def test_real_model_chat_and_completion(default_model):
+    """SmolLM2-135M + its real tokenizer behind the server: greedy chat == ModelRunner.generate alone."""
+    cfg, params, tok = default_model
+    runner = ModelRunner(Llama.from_params(cfg, params))
+    engine = Engine(runner, AdapterRegistry(cfg, 0), EngineConfig(n_slots=2, max_len=128, prefill_batch=2), tok)
+    with BackgroundServer(create_app(engine, tok, model_id="smollm2")) as srv:
+        try:
+            c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
+            msgs = [{"role": "user", "content": "What is the capital of France?"}]
+            r = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12, temperature=0)
+            ids = tok.encode_chat(msgs)
+            want = runner.generate([ids], SamplingParams(max_new_tokens=12, stop_token_ids=tuple(tok.eos_token_ids)))[0]
+            assert r.choices[0].message.content == tok.decode(want.tokens) and "Paris" in r.choices[0].message.content
+            assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.tokens)
+            chunks = list(c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12, temperature=0,
+                                                    stream=True))
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+            cut = c.completions.create(model="smollm2", prompt=tok.apply_chat_template(msgs), max_tokens=12,
+                                       temperature=0, stop=["Paris"])
+            text = r.choices[0].message.content
+            assert cut.choices[0].text == text[:text.index("Paris")] and cut.choices[0].finish_reason == "stop"
+        finally:
+            engine.shutdown()
