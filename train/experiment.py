@@ -36,6 +36,7 @@ log = logging.getLogger("train.experiment")
 
 SFT_ROWS = (("lora", 4), ("lora", 16), ("lora", 64), ("reft", 8))
 MODES = ("prefill", "all")
+READING_MARKER = "<!-- reading: kept when the report is regenerated -->"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,8 @@ class ExperimentConfig:
     grpo_kl: float = 0.04
     grpo_n_train: int = 64
     grpo_n_eval: int = 32
+    # extra GRPO runs as (mode, lr): prefill-only with a larger step size (its KL moves ~5x slower)
+    grpo_extra: tuple = (("prefill", 3e-3),)
     seed: int = 0
 
     @classmethod
@@ -130,25 +133,26 @@ def run(out: pathlib.Path, ec: ExperimentConfig, only: str = "all") -> dict:
         grpo = results.setdefault("grpo", {})
         if "base_greedy_acc" not in results:
             results["base_greedy_acc"] = greedy_accuracy(runner, tok, None, eprompts, eanswers, ec.grpo_new_tokens)
-        for mode in MODES:
-            if mode in grpo:
+        runs = [(m, m, ec.grpo_lr) for m in MODES] + [(f"{m}-lr{lr:g}", m, lr) for m, lr in ec.grpo_extra]
+        for name, mode, lr in runs:
+            if name in grpo:
                 continue
             gc = GRPOConfig(adapter="lora", rank=ec.grpo_rank, mode=mode, steps=ec.grpo_steps,
                             prompts_per_step=ec.grpo_prompts, group_size=ec.grpo_group,
-                            max_new_tokens=ec.grpo_new_tokens, temperature=ec.grpo_temperature, lr=ec.grpo_lr,
+                            max_new_tokens=ec.grpo_new_tokens, temperature=ec.grpo_temperature, lr=lr,
                             kl_coef=ec.grpo_kl, seed=ec.seed)
             t0 = time.time()
             trainer = GRPOTrainer(cfg, runner, gc, text_reward_fn(tok), tok.eos_token_ids, tok.pad_token_id,
                                   decode=tok.decode)
-            state, hist = trainer.fit(prompts, answers, metrics_path=out / f"grpo-{mode}.jsonl")
+            state, hist = trainer.fit(prompts, answers, metrics_path=out / f"grpo-{name}.jsonl")
             from preft_jax.adapters.trainable import adapter_bank
             acc = greedy_accuracy(trainer.runner, tok, adapter_bank(cfg, trainer.adapter_config, state.params),
                                   eprompts, eanswers, ec.grpo_new_tokens)
-            grpo[mode] = {"reward": [h["reward_mean"] for h in hist], "kl": [h["kl"] for h in hist],
-                          "response_len": [h["response_len"] for h in hist], "greedy_acc_after": acc,
-                          "seconds": time.time() - t0}
-            log.info("GRPO %s: rewards %s, greedy acc %.3f (%.0fs)", mode, grpo[mode]["reward"], acc,
-                     grpo[mode]["seconds"])
+            grpo[name] = {"mode": mode, "lr": lr, "reward": [h["reward_mean"] for h in hist],
+                          "kl": [h["kl"] for h in hist], "response_len": [h["response_len"] for h in hist],
+                          "greedy_acc_after": acc, "seconds": time.time() - t0}
+            log.info("GRPO %s: rewards %s, greedy acc %.3f (%.0fs)", name, grpo[name]["reward"], acc,
+                     grpo[name]["seconds"])
             save()
     results["seconds_this_invocation"] = time.time() - t_all
     save()
@@ -191,33 +195,40 @@ def report(results: dict, command: str) -> str:
         lines += ["", f"SFT wall time: {secs / 60:.1f} min for {len(results['sft'])} runs.", ""]
     if "grpo" in results:
         g = results["grpo"]
+        names = [m for m in MODES if m in g] + [k for k in g if k not in MODES]
+
+        def label(k):
+            return {"prefill": "prefill-only", "all": "all-token"}.get(k, k)
         lines += ["## GRPO: reward per step", "",
                   f"Single-operation arithmetic prompts (`tasks=('arithmetic',), max_ops=1`), {ec['grpo_n_train']} "
-                  f"train prompts. LoRA rank {ec['grpo_rank']} from the identity init (no SFT warm start), "
-                  f"{ec['grpo_prompts']} prompts x {ec['grpo_group']} rollouts per step, temperature "
-                  f"{ec['grpo_temperature']}, up to {ec['grpo_new_tokens']} new tokens, lr {ec['grpo_lr']}, "
-                  f"clip 0.2, k3 KL coefficient {ec['grpo_kl']}, one optimizer step per rollout batch. Reward = 1 "
-                  "if the completion's final number is the answer. Rollouts are `ModelRunner.generate` "
-                  "(prefill-only: adapted prefill, base decode). Greedy accuracy on "
-                  f"{ec['grpo_n_eval']} held-out prompts: base model {results.get('base_greedy_acc', float('nan')):.3f}"
-                  + "".join(f", {m} after GRPO {g[m]['greedy_acc_after']:.3f}" for m in MODES if m in g) + ".", "",
-                  "| step | reward prefill-only | reward all-token | KL prefill-only | KL all-token |",
-                  "|---|---|---|---|---|"]
+                  f"train prompts, the same prompts per step for every run. LoRA rank {ec['grpo_rank']} (all seven "
+                  f"projections) from the identity init (no SFT warm start), {ec['grpo_prompts']} prompts x "
+                  f"{ec['grpo_group']} rollouts per step, temperature {ec['grpo_temperature']}, up to "
+                  f"{ec['grpo_new_tokens']} new tokens, lr {ec['grpo_lr']} unless the run name says otherwise "
+                  f"(cosine decay to 0.1x, no warmup), clip 0.2, k3 KL coefficient {ec['grpo_kl']}, one "
+                  "optimizer step per rollout batch. Reward = 1 if the completion's final number is the answer. "
+                  "Rollouts are `ModelRunner.generate` (prefill-only: adapted prefill, base decode).", "",
+                  "| step | " + " | ".join(f"reward {label(k)}" for k in names) + " | "
+                  + " | ".join(f"KL {label(k)}" for k in names) + " |",
+                  "|---|" + "---|" * (2 * len(names))]
         n = max(len(v["reward"]) for v in g.values())
 
-        def cell(m, key, i, nd):
-            return _fmt(g[m][key][i], nd) if m in g and i < len(g[m][key]) else "-"
+        def cell(k, key, i, nd):
+            return _fmt(g[k][key][i], nd) if i < len(g[k][key]) else "-"
         for i in range(n):
-            lines.append(f"| {i + 1} | {cell('prefill', 'reward', i, 3)} | {cell('all', 'reward', i, 3)} | "
-                         f"{cell('prefill', 'kl', i, 4)} | {cell('all', 'kl', i, 4)} |")
-        means = []
-        for m in MODES:
-            if m in g:
-                r = g[m]["reward"]
-                h = max(1, len(r) // 2)
-                means.append(f"{m}: first half mean {np.mean(r[:h]):.3f}, second half mean {np.mean(r[h:]):.3f}")
-        lines += ["", "Reward summary - " + "; ".join(means) + ".", ""]
-        lines += [f"GRPO wall time: {sum(v['seconds'] for v in g.values()) / 60:.1f} min.", ""]
+            lines.append(f"| {i + 1} | " + " | ".join(cell(k, "reward", i, 3) for k in names) + " | "
+                         + " | ".join(cell(k, "kl", i, 4) for k in names) + " |")
+        half = max(1, n // 2)
+        lines += ["", f"Summary (greedy accuracy on {ec['grpo_n_eval']} held-out prompts; base model "
+                  f"{results.get('base_greedy_acc', float('nan')):.3f}):", "",
+                  f"| run | mean reward steps 1-{half} | mean reward steps {half + 1}-{n} | "
+                  "mean response tokens, last 4 steps | "
+                  "greedy accuracy after |", "|---|---|---|---|---|"]
+        for k in names:
+            r = g[k]["reward"]
+            lines.append(f"| {label(k)} | {np.mean(r[:half]):.3f} | {np.mean(r[half:]):.3f} | "
+                         f"{np.mean(g[k]['response_len'][-4:]):.1f} | {g[k]['greedy_acc_after']:.3f} |")
+        lines += ["", f"GRPO wall time: {sum(v['seconds'] for v in g.values()) / 60:.1f} min for {len(g)} runs.", ""]
     return "\n".join(lines)
 
 
@@ -234,7 +245,11 @@ def main(argv=None):
     text = report(results, "JAX_PLATFORMS=cpu python -m train.experiment --out " + a.out +
                   (" --doc " + a.doc if a.doc else "") + (" --quick" if a.quick else ""))
     if a.doc:
-        pathlib.Path(a.doc).write_text(text + "\n")
+        doc = pathlib.Path(a.doc)
+        old = doc.read_text() if doc.is_file() else ""
+        if READING_MARKER in old:          # keep the hand-written reading below the marker
+            text = text + "\n" + old[old.index(READING_MARKER):].rstrip("\n")
+        doc.write_text(text + "\n")
     print(text)
 
 
