@@ -17,6 +17,7 @@ from train.data import Tokenized, pad_batch
 from train.sft import SFTTrainer, TrainConfig
 
 CFG = tiny_config()
+sequence_logits = jax.jit(sequence_logits, static_argnums=0)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,13 @@ from preft_jax.model import Llama
 from reference_llama import random_params
 from train.common import make_adapter_config, token_logprobs
 from train.data import Tokenized, pad_batch
-from train.sft import SFTTrainer, TrainConfig, _parse, batch_arrays, sft_loss
+from train.sft import SFTTrainer, TrainConfig, _parse, batch_arrays, sft_loss as _sft_loss
 
 CFG = tiny_config()
+# jitted once per shape (eager calls would re-trace the layer scan every time)
+sft_loss = jax.jit(_sft_loss, static_argnums=(0, 1, 2, 6))
+sequence_logits = jax.jit(sequence_logits, static_argnums=0)
+token_logprobs = jax.jit(token_logprobs, static_argnums=(0, 6, 7))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def test_loss_equals_explicit_response_loop(runner, kind, mode):
     acfg, params = _random_adapter(kind, mode)
     prompts, responses, b = _batch()
     arrays = {k: jnp.asarray(v) for k, v in batch_arrays(b).items()}
-    loss = float(sft_loss(CFG, acfg, runner.graphdef, runner.state, params, arrays, chunk=5))  # chunked path
+    loss = float(sft_loss(CFG, acfg, runner.graphdef, runner.state, params, arrays, 5))  # chunked path
     bank = adapter_bank(CFG, acfg, params)
     logits = sequence_logits(runner.graphdef, runner.state, jnp.asarray(b.tokens), jnp.asarray(b.prompt_lengths),
                              bank, jnp.ones(3, jnp.int32))
@@ -121,7 +125,7 @@ def test_prefill_mode_adapter_index_and_gradient(runner):
                                                  jnp.broadcast_to(jnp.arange(T), (3, T)),
                                                  jnp.asarray(b.prompt_lengths))) == 1)
     arrays = {k: jnp.asarray(v) for k, v in batch_arrays(b).items()}
-    grads = jax.grad(lambda q: sft_loss(CFG, acfg, runner.graphdef, runner.state, q, arrays))(params)
+    grads = jax.jit(jax.grad(lambda q: _sft_loss(CFG, acfg, runner.graphdef, runner.state, q, arrays)))(params)
     # the loss is on base-weight response tokens only; the gradient reaches the adapter through
     # attention to the adapted prompt keys/values
     for t in acfg.targets:
