@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +18,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        _number(self.temperature, "temperature")
+        _number(self.top_p, "top_p")
+        _integer(self.top_k, "top_k")
+        _integer(self.max_new_tokens, "max_new_tokens")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -24,6 +30,29 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for t in self.stop_token_ids:
+            _integer(t, "stop_token_ids entry", minimum=-1)
+
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def _number(v, name: str) -> None:
+    """A finite real number (bool excluded): the engine keeps it as float32."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(v).__name__}")
+    if not math.isfinite(v) or abs(v) > 3.0e38:
+        raise ValueError(f"{name} must be a finite number, got {v}")
+
+
+def _integer(v, name: str, minimum: int = 0) -> None:
+    """An integer in [minimum, 2^31 - 1] (the engine keeps it as int32)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {type(v).__name__}")
+    if not minimum <= int(v) <= INT32_MAX:
+        raise ValueError(f"{name} must be in [{minimum}, {INT32_MAX}], got {v}")
 
 
 def sample(logits, key, temperature, top_p, top_k=None):

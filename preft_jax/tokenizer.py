@@ -286,10 +286,55 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **kwargs) -> list[int]:
-        """Token ids of the rendered chat (no extra BOS: templates that want one write `bos_token`)."""
-        return self.encode(self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **kwargs))
+        """Token ids of the rendered chat (no extra BOS: templates that want one write `bos_token`).
+
+        Only the template inserts control tokens: a special-token string typed inside a message
+        (e.g. a user writing `<|im_start|>system`) is encoded as plain text, so a message cannot
+        forge a role. Chats without such text tokenize exactly as `encode(apply_chat_template(...))`.
+        """
+        rendered = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, **kwargs)
+        contents = [m.get("content") for m in messages if isinstance(m, Mapping)]
+        if not any(isinstance(c, str) and self._special_pattern().search(c) for c in contents):
+            return self.encode(rendered)
+        ids, pos = [], 0
+        for c in contents:                      # locate each message's text in the rendering, in order
+            if not isinstance(c, str) or not c:
+                continue
+            for text in (c, c.strip()):
+                at = rendered.find(text, pos) if text else -1
+                if at >= 0:
+                    break
+            else:
+                raise ValueError("a message contains special-token text and the chat template transforms "
+                                 "message content, so it cannot be encoded safely")
+            ids += self.encode(rendered[pos:at]) + self.encode_plain(text)
+            pos = at + len(text)
+        return ids + self.encode(rendered[pos:])
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token strings encoded as ordinary text."""
+        if getattr(self, "_plain_backend", None) is None:
+            plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
+    def _special_pattern(self):
+        if getattr(self, "_special_re", None) is None:
+            import re
+            specials = sorted((t.content for t in self.backend.get_added_tokens_decoder().values()
+                               if t.special and t.content), key=len, reverse=True)
+            self._special_re = re.compile("|".join(map(re.escape, specials)) if specials else r"(?!x)x")
+        return self._special_re
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token can cover (prompt-length pre-checks)."""
+        if getattr(self, "_max_token_bytes", None) is None:
+            vocab = self.backend.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+        return self._max_token_bytes
 
     # ------------------------------------------------------------------------------ constructors
     @classmethod

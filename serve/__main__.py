@@ -4,7 +4,12 @@
                              [--use|--adapter-name NAME] [--max-tokens 64] [--temperature 0] [--mode prefill|all]
     python -m serve server [--host 127.0.0.1] [--port 8000] [--adapter NAME=FOLDER ...]
                            [--mode prefill|all] [--slots 8] [--max-len 1024] [--backend jnp|pallas]
-                           [--model PATH] [--capacity 16] [--lora-rank 16] [--reft-rank 8]
+                           [--model PATH|tiny] [--capacity 16] [--lora-rank 16] [--reft-rank 8]
+                           [--api-key KEY] [--admin-key KEY] [--allow-unauthenticated-admin]
+                           [--adapter-root DIR] [--max-queued 1024] [--request-timeout 600]
+                           [--max-body-bytes 4194304] [--shutdown-grace 10] [--no-warmup]
+
+`--model tiny` is a small random-weight model with a UTF-8 byte tokenizer (demos, fault tests).
 
 A missing model or adapter folder, or an adapter that does not load, exits with status 2 and a
 message on stderr.
@@ -36,6 +41,12 @@ def _parse_adapters(specs: list[str]) -> dict[str, str]:
 
 def _load_model(path):
     from preft_jax.loading import load_model
+    if path == "tiny":
+        from preft_jax.config import tiny_config
+        from serve.byte_tokenizer import ByteTokenizer
+        from serve.tiny_model import tiny_params
+        cfg = tiny_config(max_seq_len=1024)
+        return cfg, tiny_params(cfg), ByteTokenizer()
     try:
         return load_model(path)
     except FileNotFoundError as e:
@@ -56,7 +67,7 @@ def _load_adapter_weights(cfg, folders: dict[str, str]) -> dict:
 
 
 def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank, reft_rank, mode, slots,
-                  max_len, backend, prefill_batch=4):
+                  max_len, backend, prefill_batch=4, max_queued=1024, request_timeout=600.0):
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
     from serve.engine import Engine, EngineConfig
@@ -74,7 +85,8 @@ def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank,
             raise CliError(f"adapter {name!r} does not fit the adapter bank: {e} "
                            f"(see --lora-rank / --reft-rank)") from None
     try:
-        config = EngineConfig(n_slots=slots, max_len=max_len, mode=mode, prefill_batch=min(prefill_batch, slots))
+        config = EngineConfig(n_slots=slots, max_len=max_len, mode=mode, prefill_batch=min(prefill_batch, slots),
+                              max_queued=max_queued, request_timeout=request_timeout)
         return Engine(runner, registry, config, tokenizer)
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -115,19 +127,37 @@ def cmd_generate(args) -> int:
 
 
 def cmd_server(args) -> int:
+    import logging
+    from serve.access import ServerConfig
     from serve.server import create_app, serve_forever
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     folders = _parse_adapters(args.adapter)
+    try:
+        server_config = ServerConfig(api_key=args.api_key, admin_key=args.admin_key,
+                                     allow_unauthenticated_admin=args.allow_unauthenticated_admin,
+                                     adapter_root=args.adapter_root, max_body_bytes=args.max_body_bytes,
+                                     shutdown_grace=args.shutdown_grace)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     cfg, params, tok = _load_model(args.model)
     weights = _load_adapter_weights(cfg, folders)
     engine = _build_engine(cfg, params, tok, weights, capacity=args.capacity, lora_rank=args.lora_rank,
                            reft_rank=args.reft_rank, mode=args.mode, slots=args.slots,
-                           max_len=args.max_len,
-                           backend=args.backend, prefill_batch=args.prefill_batch)
-    model_id = args.model_id or ("smollm2-135m-instruct" if args.model is None
-                                 else os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0])
-    app = create_app(engine, tok, model_id=model_id)
+                           max_len=args.max_len, backend=args.backend, prefill_batch=args.prefill_batch,
+                           max_queued=args.max_queued, request_timeout=args.request_timeout or None)
+    if not args.no_warmup:
+        seconds = engine.warmup(progress=lambda msg: print(f"warmup: {msg}", file=sys.stderr, flush=True))
+        print(f"warmup: done in {seconds:.1f} s", file=sys.stderr, flush=True)
+    model_id = args.model_id or ("smollm2-135m-instruct" if args.model is None else
+                                 "tiny" if args.model == "tiny" else
+                                 os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0])
+    app = create_app(engine, tok, model_id=model_id, config=server_config)
+    admin = ("admin key" if args.admin_key else "UNAUTHENTICATED" if args.allow_unauthenticated_admin
+             else "disabled")
     print(f"serving {model_id!r} (+ {len(weights)} adapter(s), mode={args.mode}) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+          f"http://{args.host}:{args.port}/v1 (api key: {'on' if args.api_key else 'off'}, adapter admin: {admin})",
+          file=sys.stderr, flush=True)
     serve_forever(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -138,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("--model", default=None, help="a .gguf file or HF folder (default: embedded SmolLM2-135M)")
+        sp.add_argument("--model", default=None,
+                        help="a .gguf file, an HF folder, or 'tiny' (default: embedded SmolLM2-135M)")
         sp.add_argument("--adapter", action="append", default=[], metavar="NAME=FOLDER",
                         help="load a PEFT LoRA or ReFT adapter folder under NAME (repeatable)")
         sp.add_argument("--mode", choices=("prefill", "all"), default="prefill",
@@ -166,6 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reft-rank", type=int, default=8, help="largest ReFT rank the bank holds")
     s.add_argument("--model-id", default=None, help="the base model's name in the API")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--api-key", default=os.environ.get("PREFT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (env PREFT_API_KEY)")
+    s.add_argument("--admin-key", default=os.environ.get("PREFT_ADMIN_KEY"),
+                   help="key for adapter load/unload (env PREFT_ADMIN_KEY); without it those endpoints are off")
+    s.add_argument("--allow-unauthenticated-admin", action="store_true",
+                   help="allow adapter load/unload without a key (trusted networks only)")
+    s.add_argument("--adapter-root", default=None,
+                   help="run-time adapter loads read only folders under this directory")
+    s.add_argument("--max-queued", type=int, default=1024, help="waiting requests before 429")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="total seconds a request may take, queue included (0 = no limit)")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    s.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests get to finish on SIGTERM before they fail")
+    s.add_argument("--no-warmup", action="store_true", help="skip compiling every prompt bucket at start-up")
     s.set_defaults(func=cmd_server)
     return p
 

@@ -9,6 +9,10 @@ class RequestError(ValueError):
     status = 400
     code = "invalid_request"
 
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
 
 class UnknownAdapterError(RequestError):
     """The requested model / adapter name is not loaded."""
@@ -42,3 +46,52 @@ class AdapterCapacityError(RequestError):
 class AdapterLoadError(RequestError):
     """An adapter folder is missing, malformed, or does not fit the bank (targets, rank, kind)."""
     code = "adapter_load_failed"
+
+
+class QueueFullError(RequestError):
+    """The engine's wait queue is at its limit; retry later (the server adds Retry-After)."""
+    status = 429
+    code = "queue_full"
+
+
+class UnavailableError(RequestError):
+    """The engine is shutting down or is not running."""
+    status = 503
+    code = "unavailable"
+
+
+class AuthenticationError(RequestError):
+    """Missing or wrong API key."""
+    status = 401
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(RequestError):
+    """A valid caller asking for something it may not do (e.g. adapter admin without the admin key)."""
+    status = 403
+    code = "permission_denied"
+
+
+class PayloadTooLargeError(RequestError):
+    status = 413
+    code = "payload_too_large"
+
+
+class EngineError(RuntimeError):
+    """The engine failed a request after it was accepted (not the request's fault, or a step failure
+    that could not be attributed). `status` / `code` say how the server reports it."""
+    status = 500
+    code = "engine_error"
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+
+
+class DeadlineExceededError(EngineError):
+    """The request ran past its total deadline (queue wait + generation)."""
+    status = 504
+    code = "deadline_exceeded"

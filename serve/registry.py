@@ -12,9 +12,13 @@ kept) or "all" (the all-token baseline: prompt and generated tokens).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import re
 import threading
 from typing import Sequence
+
+import numpy as np
 
 from preft_jax.adapters.bank import AdapterBank, empty_bank, set_slot
 from preft_jax.adapters.config import LORA_TARGETS, LoraWeights, PositionPolicy, ReftWeights
@@ -24,6 +28,49 @@ from serve.errors import (AdapterCapacityError, AdapterExistsError, AdapterInUse
                           RequestError, UnknownAdapterError)
 
 MODES = ("prefill", "all")
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+log = logging.getLogger("serve.registry")
+
+
+def check_adapter_name(name) -> str:
+    """Adapter names are 1-64 characters of [A-Za-z0-9._-] (they appear in URLs and metrics)."""
+    if not isinstance(name, str) or not NAME_RE.match(name) or name in (".", ".."):
+        raise RequestError(f"adapter name must match {NAME_RE.pattern} (1-64 letters, digits, '.', '_', '-'), "
+                           f"got {name!r}"[:300], "name")
+    return name
+
+
+def check_weights(weights: LoraWeights | ReftWeights, cfg: ModelConfig) -> None:
+    """Shapes, ranks and finiteness of adapter weights, checked before they reach the bank (a NaN
+    or Inf in one adapter must never reach a device step)."""
+    if isinstance(weights, LoraWeights):
+        dims, r = cfg.projection_dims(), weights.config.rank
+        arrays = []
+        for t in weights.config.targets:
+            d_in, d_out = dims[t]
+            for part, table, shape in (("A", weights.A, (cfg.n_layers, d_in, r)),
+                                       ("B", weights.B, (cfg.n_layers, r, d_out))):
+                if t not in table:
+                    raise ValueError(f"LoRA {part} has no weights for target {t!r}")
+                a = np.asarray(table[t])
+                if a.shape != shape:
+                    raise ValueError(f"LoRA {part}[{t}] has shape {a.shape}, expected {shape}")
+                arrays.append((f"LoRA {part}[{t}]", a))
+    elif isinstance(weights, ReftWeights):
+        r, L, d = weights.config.rank, cfg.n_layers, cfg.d_model
+        arrays = []
+        for part, a, shape in (("R", weights.R, (L, r, d)), ("W", weights.W, (L, r, d)), ("b", weights.b, (L, r))):
+            a = np.asarray(a)
+            if a.shape != shape:
+                raise ValueError(f"ReFT {part} has shape {a.shape}, expected {shape}")
+            arrays.append((f"ReFT {part}", a))
+    else:
+        raise TypeError(f"expected LoraWeights or ReftWeights, got {type(weights).__name__}")
+    for what, a in arrays:
+        if not np.issubdtype(a.dtype, np.floating):
+            raise ValueError(f"{what} must hold floats, got {a.dtype}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"{what} holds NaN or Inf values")
 
 
 def serving_policy(policy: PositionPolicy, mode: str) -> PositionPolicy:
@@ -106,19 +153,24 @@ class AdapterRegistry:
 
         Raises AdapterExistsError (name taken), AdapterCapacityError (no free slot), AdapterLoadError
         (bad folder, or the adapter does not fit the bank's targets / ranks)."""
-        if not isinstance(name, str) or not name.strip():
-            raise RequestError("adapter name must be a non-empty string")
+        check_adapter_name(name)
         with self._lock:                       # cheap checks first: no file reading for a taken name
             self._check_loadable_locked(name)
-        if isinstance(adapter, (str, os.PathLike)):
-            try:
+        where = os.fspath(adapter) if isinstance(adapter, (str, os.PathLike)) else None
+        try:
+            if where is not None:
                 weights = load_adapter(adapter, self.cfg)
-            except (OSError, ValueError) as e:
-                raise AdapterLoadError(f"cannot load adapter {name!r} from {os.fspath(adapter)!r}: {e}") from e
-        elif isinstance(adapter, (LoraWeights, ReftWeights)):
-            weights = adapter
-        else:
-            raise TypeError(f"expected LoraWeights, ReftWeights or a folder path, got {type(adapter).__name__}")
+            elif isinstance(adapter, (LoraWeights, ReftWeights)):
+                weights = adapter
+            else:
+                raise TypeError(f"expected LoraWeights, ReftWeights or a folder path, got {type(adapter).__name__}")
+            check_weights(weights, self.cfg)
+        except (OSError, ValueError, TypeError) as e:
+            raise AdapterLoadError(f"cannot load adapter {name!r}" + (f" from {where!r}" if where else "")
+                                   + f": {e}") from e
+        except Exception as e:  # noqa: BLE001 - any loader failure is the adapter's problem, never a 500
+            log.exception("unexpected error loading adapter %r from %r", name, where)
+            raise AdapterLoadError(f"cannot load adapter {name!r}: not a valid adapter") from e
         weights = with_policy(weights, self.mode)
         with self._lock:
             self._check_loadable_locked(name)

@@ -1,194 +1,174 @@
 """OpenAI-compatible HTTP server over the continuous-batching Engine.
 
-    app = create_app(engine, tokenizer, model_id="smollm2-135m-instruct")   # starts the engine
+    app = create_app(engine, tokenizer, model_id="smollm2-135m-instruct", config=ServerConfig(...))
     serve_forever(app, host="127.0.0.1", port=8000)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as SSE),
-GET /v1/models, GET /v1/models/{id}, POST /v1/adapters, DELETE /v1/adapters/{name}, GET /health.
-`model` is an adapter name (PreFT adapter applied at prefill) or `model_id` (the base model).
+GET /v1/models, GET /v1/models/{id}, POST /v1/adapters, DELETE /v1/adapters/{name} (admin),
+GET /health, GET /metrics (Prometheus text). `model` is an adapter name (PreFT adapter applied at
+prefill) or `model_id` (the base model).
 
-Bodies are parsed and validated here (not by pydantic), so every malformed body — bad JSON, wrong
-types, missing fields — is a 400 with an OpenAI-style error body {"error": {message, type, code}}.
-Request errors are raised at submit time, before a response (streamed or not) starts, so a bad
-request never touches the engine's running requests.
+Hardening (docs/serving.md lists every limit):
+* bodies are parsed and validated here (serve/protocol.py): every malformed body is a 400 naming the
+  field; bad requests are refused before they reach the engine, so they never touch running ones;
+* keys and the adapter root (serve/access.py), body size and request ids (serve/middleware.py);
+* tokenization runs off the event loop, after a length pre-check that needs no tokenization;
+* waiting and streaming handlers hold no thread (serve/bridge.py); a client that disconnects has
+  its request cancelled within one engine step; every wait has a deadline;
+* a full queue is a 429 with Retry-After; a shutting-down engine a 503; a 500 never leaks internals
+  (the log has the traceback and the request id).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Iterator
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from preft_jax.sampling import SamplingParams
-from serve.errors import RequestError, UnknownAdapterError
+from serve import protocol
+from serve.access import ServerConfig, check_admin, check_api_key, resolve_adapter_path
+from serve.bridge import AsyncSink, ClientGone, collect
+from serve.errors import AdapterExistsError, AdapterLoadError, EngineError, PromptTooLongError, RequestError
+from serve.metrics import render
+from serve.middleware import LimitsMiddleware
+from serve.protocol import BadRequest
+from serve.registry import check_adapter_name
+
+log = logging.getLogger("serve.server")
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+CHAT_TEMPLATE_OVERHEAD_TOKENS = 256     # room the pre-check leaves for the template's own tokens
+
+__all__ = ["create_app", "serve_forever", "BackgroundServer", "ServerConfig", "BadRequest"]
 
 
-class BadRequest(RequestError):
-    """A malformed body or unsupported field (400)."""
-    code = "invalid_request"
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class AdapterExistsError(RequestError):
-    status = 409
-    code = "adapter_exists"
-
-
-def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    etype = ("invalid_request_error" if status < 500 else "server_error")
+def _error(status: int, message: str, code: str | None = None, param: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    etype = "invalid_request_error" if status < 500 else "server_error"
     if status == 404:
         etype = "not_found_error"
+    elif status == 401:
+        etype = "authentication_error"
+    elif status == 403:
+        etype = "permission_error"
+    elif status == 429:
+        etype = "rate_limit_error"
     return JSONResponse({"error": {"message": message, "type": etype, "code": code, "param": param}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
-# ---- field validation ----------------------------------------------------------------------------
-_MISSING = object()
+def _rid(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
 
 
-def _get(body: dict, key: str, types, default=_MISSING, what: str | None = None):
-    """body[key] checked against `types` (None/absent -> default; absent without default -> 400)."""
-    v = body.get(key, None)
-    if v is None:
-        if default is _MISSING:
-            raise BadRequest(f"'{key}' is a required field", key)
-        return default
-    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise BadRequest(f"'{key}' must be {what or _type_name(types)}, got a boolean", key)
-    if not isinstance(v, types):
-        raise BadRequest(f"'{key}' must be {what or _type_name(types)}, got {type(v).__name__}", key)
-    return v
+class _HttpCounters:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.responses: dict[tuple[str, int], int] = {}
+        self.disconnects = 0
+        self.adapter_loads: dict[str, int] = {}
+
+    def count(self, path: str, status: int):
+        with self.lock:
+            self.responses[(path, status)] = self.responses.get((path, status), 0) + 1
 
 
-def _type_name(types) -> str:
-    types = types if isinstance(types, tuple) else (types,)
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "a list",
-             dict: "an object"}
-    return " or ".join(names.get(t, t.__name__) for t in types)
-
-
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}")
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
-
-
-def _stop_strings(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > 4:
-            raise BadRequest("'stop' takes at most 4 sequences", "stop")
-        return tuple(stop)
-    raise BadRequest("'stop' must be a string or a list of strings", "stop")
-
-
-def _sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
-    top_k = _get(body, "top_k", int, 0)
-    if not 0.0 <= temperature <= 2.0:
-        raise BadRequest(f"'temperature' must be in [0, 2], got {temperature}", "temperature")
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    if top_k < 0:
-        raise BadRequest(f"'top_k' must be >= 0, got {top_k}", "top_k")
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens,
-                          stop_token_ids=stop_ids)
-
-
-def _common_checks(body: dict) -> None:
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise BadRequest(f"only n=1 is supported, got n={n}", "n")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _get(body, key, (int, float), 0) != 0:
-            raise BadRequest(f"'{key}' is not supported (must be 0 or absent)", key)
-    if body.get("logprobs") not in (None, False):
-        raise BadRequest("'logprobs' is not supported", "logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise BadRequest("tool / function calling is not supported", "tools")
-    _get(body, "stream", bool, False)
-    so = _get(body, "stream_options", dict, {})
-    if "include_usage" in so and not isinstance(so["include_usage"], bool):
-        raise BadRequest("'stream_options.include_usage' must be a boolean", "stream_options")
-
-
-def _max_tokens(body: dict, keys: tuple[str, ...], default: int, prompt_len: int, max_len: int) -> int:
-    for key in keys:
-        v = _get(body, key, int, None)
-        if v is not None:
-            if v < 1:
-                raise BadRequest(f"'{key}' must be >= 1, got {v}", key)
-            return v               # the engine ends with finish_reason "length" when the cache is full
-    return max(1, min(default, max_len - prompt_len - 1))
-
-
-# ---- the app -------------------------------------------------------------------------------------
-def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct") -> FastAPI:
-    """FastAPI app serving `engine`. Starts the engine's background loop (idempotent) if it is not
-    running; the caller owns shutdown (`engine.shutdown()`), which `serve_forever` does on exit.
-    If the engine was built without a tokenizer, `tokenizer` is attached to it (text + stop strings)."""
+def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
+               config: ServerConfig = ServerConfig()) -> FastAPI:
+    """FastAPI app serving `engine`. Starts the engine's background loop (idempotent); shutting the
+    app down (lifespan end) shuts the engine down with `config.shutdown_grace`. If the engine was
+    built without a tokenizer, `tokenizer` is attached to it (text + stop strings)."""
     if getattr(engine, "tokenizer", None) is None:
         engine.tokenizer = tokenizer
     engine.start()
-    app = FastAPI(title="preft_jax server", version="0.1.0")
-    app.state.engine, app.state.tokenizer, app.state.model_id = engine, tokenizer, model_id
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await anyio.to_thread.run_sync(lambda: engine.shutdown(grace=config.shutdown_grace))
+
+    app = FastAPI(title="preft_jax server", version="0.2.0", lifespan=lifespan)
+    http = _HttpCounters()
+    def _on_response(scope, status: int):
+        route = scope.get("route")
+        http.count(getattr(route, "path", "unmatched"), status)
+
+    app.add_middleware(LimitsMiddleware, max_body_bytes=config.max_body_bytes, on_response=_on_response)
+    app.state.engine, app.state.tokenizer, app.state.model_id, app.state.config = engine, tokenizer, model_id, config
     created = int(time.time())
     default_stop = tuple(int(i) for i in getattr(tokenizer, "eos_token_ids", ()) or ()) or (-1,)
     max_len = engine.config.max_len
+    vocab = engine.runner.cfg.vocab_size
+    tok_limiter = anyio.CapacityLimiter(config.tokenizer_threads)
+    max_token_bytes = getattr(tokenizer, "max_token_bytes", None)
+    retry = {"Retry-After": str(config.retry_after_s)}
 
+    # ---- errors ------------------------------------------------------------------------------
     @app.exception_handler(RequestError)
-    async def _request_error(_, exc: RequestError):
-        return _error(exc.status, str(exc), exc.code, getattr(exc, "param", None))
+    async def _request_error(request: Request, exc: RequestError):
+        return _error(exc.status, str(exc), exc.code, getattr(exc, "param", None),
+                      retry if exc.status in (429, 503) else None)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError):
+        return _error(exc.status, str(exc), exc.code, None, retry if exc.status == 503 else None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):
-        parts = []
-        for e in exc.errors():
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-        return _error(400, "invalid request: " + "; ".join(parts), "invalid_request")
+        return _error(400, "invalid request", "invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_, exc: Exception):
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+    async def _internal_error(request: Request, exc: Exception):
+        rid = _rid(request)
+        log.error("request %s failed with an internal error", rid, exc_info=exc)
+        return _error(500, f"internal server error (request id {rid}); the server log has details",
+                      "internal_error")
 
+    # ---- shared pieces -----------------------------------------------------------------------
     def _adapter_for(body: dict) -> str | None:
-        model = _get(body, "model", str)
-        return None if model == model_id else model
-
-    def _submit(prompt_ids: list[int], adapter: str | None, sp: SamplingParams, stop: tuple[str, ...]):
-        if adapter is not None and adapter not in engine.registry.names():
+        model = protocol.get(body, "model", str)
+        if model == model_id:
+            return None
+        if model not in engine.registry:
             known = ", ".join([model_id] + sorted(engine.registry.names()))
-            raise UnknownAdapterError(f"The model {adapter!r} does not exist (available: {known})")
-        return engine.submit(prompt_ids, adapter, sp, stop)
+            raise _unknown(model, known)
+        return model
+
+    def _precheck(n_bytes: int, what: str, overhead_tokens: int = 0):
+        """Refuses text that cannot fit the context whatever it tokenizes to (no tokenization)."""
+        if max_token_bytes and n_bytes > (max_len - 1 + overhead_tokens) * max_token_bytes:
+            raise PromptTooLongError(f"{what} is {n_bytes} bytes; it cannot fit the context length of {max_len} "
+                                     f"tokens", "prompt" if what == "prompt" else "messages")
+
+    async def _tokenize(fn, *args):
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=tok_limiter)
+        except RequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles, ...)
+            raise BadRequest(f"could not apply the chat template: {e}"[:500], "messages") from None
+
+    def _submit(request: Request, prompt_ids: list[int], adapter: str | None, sp: SamplingParams,
+                stop: tuple[str, ...]):
+        sink = AsyncSink()
+        req = engine.submit(prompt_ids, adapter, sp, stop, events=sink, request_id=_rid(request))
+        return req, sink
 
     def _usage(result) -> dict:
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
@@ -200,62 +180,63 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct") -> Fa
     def _sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def _stream(req, make_chunk, first: list[dict], include_usage: bool) -> Iterator[str]:
-        """SSE over req.stream(): `make_chunk(text | None, finish_reason | None)` -> chunk dict."""
+    async def _stream(req, sink, make_chunk, first: list[dict], include_usage: bool):
+        """SSE over the request's events: `make_chunk(text | None, finish_reason | None)` -> chunk.
+        A client disconnect cancels the generator (Starlette), and `finally` cancels the request."""
         try:
             for chunk in first:
                 yield _sse(chunk)
-            for kind, payload in req.stream():
+            while True:
+                kind, payload = await sink.get(req.deadline)
                 if kind == "delta":
                     if payload[1]:
                         yield _sse(make_chunk(payload[1], None))
-                else:
+                elif kind == "done":
                     yield _sse(make_chunk(None, payload.finish_reason))
                     if include_usage:
                         last = make_chunk(None, None)
                         last["choices"], last["usage"] = [], _usage(payload)
                         yield _sse(last)
-        except RuntimeError as e:       # the engine failed this request: tell the client, end cleanly
-            yield _sse({"error": {"message": str(e), "type": "server_error", "code": "engine_error"}})
+                    break
+                else:
+                    raise payload
+        except EngineError as e:            # the engine failed this request: tell the client, end cleanly
+            yield _sse({"error": {"message": str(e), "type": "server_error", "code": e.code}})
         finally:
-            if req.result is None:      # the client went away mid-stream: free the slot now
+            if not req.finished:
+                http.disconnects += 1
                 engine.cancel(req)
         yield "data: [DONE]\n\n"
 
-    async def _wait(req):
+    async def _wait(request: Request, req, sink):
         try:
-            return await run_in_threadpool(req.wait)
-        except RuntimeError as e:
-            return _error(500, str(e), "engine_error")
+            return await collect(engine, req, sink, request.is_disconnected)
+        except ClientGone:
+            http.disconnects += 1
+            return None
 
     # ---- completions -------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json_body(request)
+        check_api_key(config, request.headers)
+        body = protocol.parse_json(await request.body())
         adapter = _adapter_for(body)
-        _common_checks(body)
+        protocol.common_checks(body)
         if body.get("echo"):
             raise BadRequest("'echo' is not supported", "echo")
         if body.get("suffix"):
             raise BadRequest("'suffix' is not supported", "suffix")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]               # a batch of one prompt
+        prompt = protocol.completion_prompt(body)
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            prompt_ids = list(prompt)
-        elif prompt is None:
-            raise BadRequest("'prompt' is a required field", "prompt")
-        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
+            _precheck(len(prompt.encode("utf-8")), "prompt")
+            prompt_ids = await _tokenize(tokenizer.encode, prompt)
         else:
-            raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
-        max_tokens = _max_tokens(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids), max_len)
-        sp = _sampling(body, max_tokens, default_stop)
-        stop = _stop_strings(body)
-        req = _submit(prompt_ids, adapter, sp, stop)
+            prompt_ids = prompt
+        max_tokens = protocol.max_tokens(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
+                                         max_len)
+        sp = protocol.sampling(body, max_tokens, default_stop, vocab)
+        stop = protocol.stop_strings(body)
+        req, sink = _submit(request, prompt_ids, adapter, sp, stop)
         rid, now, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
 
         def chunk(text, finish):
@@ -264,47 +245,35 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct") -> Fa
 
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(req, chunk, [], include_usage), media_type="text/event-stream")
-        result = await _wait(req)
-        if isinstance(result, JSONResponse):
-            return result
+            return StreamingResponse(_stream(req, sink, chunk, [], include_usage), media_type="text/event-stream")
+        result = await _wait(request, req, sink)
+        if result is None:
+            return _error(499, "client closed the request", "client_closed")
         out = chunk(_text(result), result.finish_reason)
         out["usage"] = _usage(result)
         return out
 
     # ---- chat completions --------------------------------------------------------------------
+    def _encode_chat(msgs):
+        if hasattr(tokenizer, "encode_chat"):
+            return tokenizer.encode_chat(msgs, add_generation_prompt=True)
+        return tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _json_body(request)
+        check_api_key(config, request.headers)
+        body = protocol.parse_json(await request.body())
         adapter = _adapter_for(body)
-        _common_checks(body)
-        messages = _get(body, "messages", list)
-        if not messages:
-            raise BadRequest("'messages' must be a non-empty list", "messages")
-        msgs = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
-            content = m.get("content")
-            if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise BadRequest(f"messages[{i}].content must be a string", "messages")
-            msgs.append({"role": m["role"], "content": content})
-        try:
-            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
-        except RequestError:
-            raise
-        except Exception as e:                 # template errors (raise_exception, bad roles, ...)
-            raise BadRequest(f"could not apply the chat template: {e}", "messages")
-        max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS,
-                                 len(prompt_ids), max_len)
-        sp = _sampling(body, max_tokens, default_stop)
-        stop = _stop_strings(body)
-        req = _submit(prompt_ids, adapter, sp, stop)
+        protocol.common_checks(body)
+        msgs = protocol.chat_messages(body)
+        _precheck(sum(len(m["content"].encode("utf-8")) for m in msgs), "the conversation",
+                  CHAT_TEMPLATE_OVERHEAD_TOKENS)
+        prompt_ids = await _tokenize(_encode_chat, msgs)
+        max_tokens = protocol.max_tokens(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS,
+                                         len(prompt_ids), max_len)
+        sp = protocol.sampling(body, max_tokens, default_stop, vocab)
+        stop = protocol.stop_strings(body)
+        req, sink = _submit(request, prompt_ids, adapter, sp, stop)
         rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
 
         def chunk(text, finish, role=False):
@@ -318,11 +287,11 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct") -> Fa
 
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(req, chunk, [chunk("", None, role=True)], include_usage),
+            return StreamingResponse(_stream(req, sink, chunk, [chunk("", None, role=True)], include_usage),
                                      media_type="text/event-stream")
-        result = await _wait(req)
-        if isinstance(result, JSONResponse):
-            return result
+        result = await _wait(request, req, sink)
+        if result is None:
+            return _error(499, "client closed the request", "client_closed")
         return {"id": rid, "object": "chat.completion", "created": now, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": _text(result)},
                              "logprobs": None, "finish_reason": result.finish_reason}],
@@ -334,58 +303,132 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct") -> Fa
                 "root": model_id, "parent": None if kind == "base" else model_id}
 
     @app.get("/v1/models")
-    async def list_models():
+    async def list_models(request: Request):
+        check_api_key(config, request.headers)
         data = [_model_entry(model_id, "base")]
         data += [_model_entry(n, k) for n, k in sorted(engine.registry.names().items())]
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{name}")
-    async def get_model(name: str):
+    async def get_model(name: str, request: Request):
+        check_api_key(config, request.headers)
         if name == model_id:
             return _model_entry(model_id, "base")
         kinds = engine.registry.names()
         if name not in kinds:
-            raise UnknownAdapterError(f"The model {name!r} does not exist")
+            raise _unknown(name, None)
         return _model_entry(name, kinds[name])
 
     @app.post("/v1/adapters")
     async def load_adapter(request: Request):
-        body = await _json_body(request)
-        name, path = _get(body, "name", str), _get(body, "path", str)
-        if not name or name == model_id:
-            raise BadRequest(f"adapter name must be non-empty and differ from the base model id {model_id!r}",
-                             "name")
-        if name in engine.registry.names():
+        check_admin(config, request.headers)
+        body = protocol.parse_json(await request.body())
+        name = check_adapter_name(protocol.get(body, "name", str))
+        path = protocol.get(body, "path", str)
+        if name == model_id:
+            raise BadRequest(f"adapter name must differ from the base model id {model_id!r}", "name")
+        if name in engine.registry:
             raise AdapterExistsError(f"adapter {name!r} is already loaded; unload it first")
+        real, rel = resolve_adapter_path(config, path)
+        t0 = time.monotonic()
         try:
-            slot = await run_in_threadpool(engine.registry.load, name, path)
-        except RequestError:
-            raise
-        except (ValueError, OSError) as e:     # AdapterFormatError, missing files, shape mismatch
-            raise BadRequest(f"could not load adapter {name!r} from {path!r}: {e}", "path")
+            slot = await anyio.to_thread.run_sync(engine.registry.load, name, real)
+        except AdapterLoadError as e:
+            http.adapter_loads["failed"] = http.adapter_loads.get("failed", 0) + 1
+            root = os.path.realpath(config.adapter_root) + os.sep
+            raise AdapterLoadError(str(e).replace(real, rel).replace(root, ""), "path") from None
+        http.adapter_loads["ok"] = http.adapter_loads.get("ok", 0) + 1
+        log.info("loaded adapter %r from %s in %.2f s (slot %d)", name, rel, time.monotonic() - t0, slot)
         return {"object": "adapter", "id": name, "name": name, "kind": engine.registry.names().get(name),
-                "slot": slot, "path": path}
+                "slot": slot, "path": rel}
 
     @app.delete("/v1/adapters/{name}")
-    async def unload_adapter(name: str):
+    async def unload_adapter(name: str, request: Request):
+        check_admin(config, request.headers)
         engine.registry.unload(name)           # UnknownAdapterError 404, AdapterInUseError 409
         return {"object": "adapter", "id": name, "deleted": True}
 
+    # ---- operations --------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, "adapters": len(engine.registry.names())}
+        h = engine.health()
+        h.update(model=model_id, adapters=len(engine.registry.names()))
+        if h["wedged"] or not h["loop_running"]:
+            return JSONResponse(dict(h, status="unhealthy"), status_code=503)
+        if not h["accepting"]:
+            return JSONResponse(dict(h, status="shutting_down"), status_code=503, headers=retry)
+        return dict(h, status="ok")
+
+    @app.get("/metrics")
+    async def metrics():
+        m, h = engine.metrics, engine.health()
+        with http.lock:
+            responses = [({"path": p, "code": str(c)}, n) for (p, c), n in sorted(http.responses.items())]
+        fams = [
+            ("preft_http_responses_total", "counter", "HTTP responses by route and status code", responses),
+            ("preft_client_disconnects_total", "counter", "requests cancelled because the client went away",
+             [({}, http.disconnects)]),
+            ("preft_requests_submitted_total", "counter", "requests accepted by the engine",
+             [({}, m.requests_submitted)]),
+            ("preft_requests_finished_total", "counter", "requests finished, by finish reason",
+             [({"reason": r}, n) for r, n in sorted(m.requests_finished.items())]),
+            ("preft_requests_failed_total", "counter", "requests failed after acceptance, by error code",
+             [({"code": c}, n) for c, n in sorted(m.requests_failed.items())]),
+            ("preft_step_failures_total", "counter", "failed engine steps, by phase",
+             [({"phase": p}, n) for p, n in sorted(m.step_failures.items())]),
+            ("preft_generated_tokens_total", "counter", "tokens generated", [({}, m.generated_tokens)]),
+            ("preft_prompt_tokens_total", "counter", "prompt tokens prefilled", [({}, m.prompt_tokens)]),
+            ("preft_generation_tokens_per_second", "gauge", "generated tokens/s over the last 10 s",
+             [({}, m.tokens_per_s.rate())]),
+            ("preft_queue_depth", "gauge", "requests waiting for a slot", [({}, h["queued"])]),
+            ("preft_queue_capacity", "gauge", "max waiting requests before 429", [({}, h["max_queued"])]),
+            ("preft_running_requests", "gauge", "requests holding a KV-cache slot", [({}, h["running"])]),
+            ("preft_slots", "gauge", "KV-cache slots", [({}, h["slots"])]),
+            ("preft_adapters_loaded", "gauge", "adapters loaded", [({}, len(engine.registry.names()))]),
+            ("preft_adapter_loads_total", "counter", "run-time adapter loads, by outcome",
+             [({"outcome": k}, n) for k, n in sorted(http.adapter_loads.items())]),
+            ("preft_engine_wedged", "gauge", "1 when the engine loop is stuck or dead", [({}, int(h["wedged"]))]),
+            ("preft_time_to_first_token_seconds", "histogram", "submit to first token", [({}, m.ttft)]),
+            ("preft_inter_token_seconds", "histogram", "time between a request's tokens", [({}, m.inter_token)]),
+        ]
+        return PlainTextResponse(render(fams), media_type="text/plain; version=0.0.4")
 
     return app
 
 
+def _unknown(name: str, known: str | None):
+    from serve.errors import UnknownAdapterError
+    return UnknownAdapterError(f"The model {name!r} does not exist" + (f" (available: {known})" if known else ""),
+                               "model")
+
+
 # ---- running it ----------------------------------------------------------------------------------
-def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Runs uvicorn in this thread until interrupted, then shuts the app's engine down."""
+def _uvicorn_server(app: FastAPI, log_level: str):
+    """A uvicorn Server whose exit signal starts the engine's drain at once (new requests get 503,
+    running ones `shutdown_grace` seconds to finish, then fail), with uvicorn's own graceful
+    shutdown bounded by the same grace as a backstop."""
     import uvicorn
+    grace = app.state.config.shutdown_grace
+    engine = app.state.engine
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                threading.Thread(target=engine.shutdown, kwargs={"grace": grace}, name="preft-drain",
+                                 daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + 5))
+
+
+def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Runs uvicorn in this thread until SIGINT/SIGTERM, then shuts the engine down within its grace."""
+    server = _uvicorn_server(app, log_level)
+    server.config.host, server.config.port = host, port
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server.run()
     finally:
-        app.state.engine.shutdown()
+        app.state.engine.shutdown(grace=0.0)
 
 
 class BackgroundServer:
@@ -395,12 +438,11 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self.server = _uvicorn_server(app, log_level)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="preft-uvicorn", daemon=True)
 

@@ -22,10 +22,12 @@ from preft_jax.sampling import SamplingParams  # noqa: E402
 from reference_llama import random_params  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.registry import AdapterRegistry  # noqa: E402
-from serve.server import BackgroundServer, create_app  # noqa: E402
+from serve.server import BackgroundServer, ServerConfig, create_app  # noqa: E402
 
 BASE = "tiny-base"
 EOS = 2
+ADMIN_KEY = "admin-secret"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 class ByteTokenizer:
@@ -55,7 +57,8 @@ def stack(tmp_path_factory):
     save_peft_lora(folder, adapters["lora-c"], cfg)
     tok = ByteTokenizer()
     engine = Engine(runner, registry, EngineConfig(n_slots=4, max_len=64, prefill_batch=2), tok)
-    app = create_app(engine, tok, model_id=BASE)
+    app = create_app(engine, tok, model_id=BASE,
+                     config=ServerConfig(admin_key=ADMIN_KEY, adapter_root=str(folder.parent)))
     server = BackgroundServer(app).start()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
     yield dict(cfg=cfg, runner=runner, adapters=adapters, folder=str(folder), tok=tok, server=server,
@@ -130,21 +133,24 @@ def test_models_lists_adapters(stack):
 
 def test_runtime_adapter_load_use_unload(stack):
     url, c = stack["url"], stack["client"]
-    r = httpx.post(f"{url}/v1/adapters", json={"name": "lora-c", "path": stack["folder"]})
+    denied = httpx.post(f"{url}/v1/adapters", json={"name": "lora-c", "path": "lora-c"})
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(f"{url}/v1/adapters", json={"name": "lora-c", "path": "lora-c"}, headers=ADMIN)
     assert r.status_code == 200, r.text
     assert r.json()["kind"] == "lora"
     assert "lora-c" in [m.id for m in c.models.list().data]
-    dup = httpx.post(f"{url}/v1/adapters", json={"name": "lora-c", "path": stack["folder"]})
+    dup = httpx.post(f"{url}/v1/adapters", json={"name": "lora-c", "path": stack["folder"]}, headers=ADMIN)
     assert dup.status_code == 409 and "already loaded" in dup.json()["error"]["message"]
     out = c.completions.create(model="lora-c", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
     assert out == reference(stack, stack["tok"].encode(PROMPT), "lora-c", 8)[0]
-    assert httpx.delete(f"{url}/v1/adapters/lora-c").status_code == 200
+    assert httpx.delete(f"{url}/v1/adapters/lora-c").status_code == 401
+    assert httpx.delete(f"{url}/v1/adapters/lora-c", headers=ADMIN).status_code == 200
     assert "lora-c" not in [m.id for m in c.models.list().data]
-    gone = httpx.delete(f"{url}/v1/adapters/lora-c")
+    gone = httpx.delete(f"{url}/v1/adapters/lora-c", headers=ADMIN)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
-    bad = httpx.post(f"{url}/v1/adapters", json={"name": "bad", "path": stack["folder"] + "-missing"})
+    bad = httpx.post(f"{url}/v1/adapters", json={"name": "bad", "path": "lora-c-missing"}, headers=ADMIN)
     assert bad.status_code == 400 and "bad" in bad.json()["error"]["message"]
-    assert httpx.post(f"{url}/v1/adapters", json={"name": "x"}).status_code == 400
+    assert httpx.post(f"{url}/v1/adapters", json={"name": "x"}, headers=ADMIN).status_code == 400
 
 
 def test_request_errors(stack):

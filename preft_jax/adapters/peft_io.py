@@ -89,6 +89,8 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
         raise AdapterFormatError(f"{path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from e
     except UnicodeDecodeError as e:
         raise AdapterFormatError(f"{path} is not valid UTF-8 JSON: {e}") from e
+    except (RecursionError, ValueError) as e:     # absurd nesting, 5000-digit integers, ...
+        raise AdapterFormatError(f"{path} is not a JSON file preft_jax can read: {type(e).__name__}") from e
     if not isinstance(data, dict):
         raise AdapterFormatError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -131,9 +133,11 @@ def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for name, info in header.items():
             try:
-                dt, shape, (begin, end) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
+                dt, shape, (begin, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
+                if not all(type(v) is int and v >= 0 for v in [*shape, begin, end]) or len(shape) > 8:
+                    raise ValueError("shape and data_offsets must be non-negative integers")
             except (KeyError, TypeError, ValueError) as e:
-                raise AdapterFormatError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from e
+                raise AdapterFormatError(f"{path}: malformed header entry for tensor {name!r}: {info!r}"[:400]) from e
             if dt not in _ST_DTYPES:
                 raise AdapterFormatError(f"{path}: tensor {name!r} has unknown dtype {dt}")
             if dt not in _ST_FLOATS:
@@ -200,8 +204,9 @@ def _write_policy_sidecar(folder: pathlib.Path, policy: PositionPolicy) -> None:
 
 
 def _as_int(value: Any, what: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise AdapterFormatError(f"{where}: {what} must be an integer, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or value != int(value)):
+        raise AdapterFormatError(f"{where}: {what} must be an integer, got {value!r}"[:400])
     return int(value)
 
 
@@ -313,7 +318,13 @@ def _uniform_pattern_value(pattern: Any, default: float, keys: list[str], field:
     for key in keys:
         value = default
         for pat, v in pattern.items():
-            if re.match(rf"(.*\.)?({pat})$", key):
+            try:
+                hit = re.match(rf"(.*\.)?({pat})$", key)
+            except (re.error, TypeError) as e:
+                raise AdapterFormatError(f"{where}: {field} key {pat!r} is not a valid regex: {e}"[:400]) from e
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise AdapterFormatError(f"{where}: {field} value for {pat!r} must be a finite number, got {v!r}"[:400])
+            if hit:
                 value = v
                 break
         values.setdefault(value, []).append(key)
@@ -380,6 +391,8 @@ def load_peft_lora(folder: str | os.PathLike, model_config: ModelConfig,
         raise AdapterFormatError(f"{where}: lora_alpha must be a number, got {alpha!r}")
     if r <= 0:
         raise AdapterFormatError(f"{where}: r must be positive, got {r}")
+    if not math.isfinite(alpha):
+        raise AdapterFormatError(f"{where}: lora_alpha must be finite, got {alpha!r}")
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise AdapterFormatError(f"{where}: use_rslora must be true or false, got {use_rslora!r}")
@@ -452,15 +465,18 @@ def load_peft_lora(folder: str | os.PathLike, model_config: ModelConfig,
         raise AdapterFormatError(f"{st_path}: missing tensor(s) for targeted modules: {_fmt_list(missing)}")
 
     dims = model_config.projection_dims()
-    targets = tuple(t for t in LORA_TARGETS if any(tt == t for _, tt in targeted))
-    A = {t: np.zeros((n_layers, dims[t][0], r), np.float32) for t in targets}
-    B = {t: np.zeros((n_layers, r, dims[t][1]), np.float32) for t in targets}
-    for (i, t, ab), (name, arr) in parsed.items():
+    if r <= 0 or not math.isfinite(float(alpha)) or isinstance(alpha, bool):
+        raise AdapterFormatError(f"{where}: rank_pattern / alpha_pattern give an invalid rank {r} or alpha {alpha!r}")
+    for (i, t, ab), (name, arr) in parsed.items():     # every shape checked before anything is allocated
         d_in, d_out = dims[t]
         expected = (r, d_in) if ab == "A" else (d_out, r)
         if tuple(arr.shape) != expected:
             raise AdapterFormatError(f"{st_path}: tensor {name!r} has shape {tuple(arr.shape)}, expected {expected} "
                                      f"(r={r}, {t}: d_in={d_in}, d_out={d_out} for this model)")
+    targets = tuple(t for t in LORA_TARGETS if any(tt == t for _, tt in targeted))
+    A = {t: np.zeros((n_layers, dims[t][0], r), np.float32) for t in targets}
+    B = {t: np.zeros((n_layers, r, dims[t][1]), np.float32) for t in targets}
+    for (i, t, ab), (name, arr) in parsed.items():
         (A if ab == "A" else B)[t][i] = arr.T
 
     layer_set = sorted({i for i, _ in targeted})

@@ -92,8 +92,8 @@ def load_reft(folder: str | os.PathLike, model_config: ModelConfig,
     if kind not in REFT_KINDS:
         raise AdapterFormatError(f"{where}: unknown ReFT kind {kind!r}; supported: {list(REFT_KINDS)}")
     rank = _as_int(data["rank"], "rank", where)
-    if rank <= 0:
-        raise AdapterFormatError(f"{where}: rank must be positive, got {rank}")
+    if not 0 < rank <= model_config.d_model:
+        raise AdapterFormatError(f"{where}: rank must be in [1, d_model={model_config.d_model}], got {rank}")
     if not isinstance(data["layers"], list) or not data["layers"]:
         raise AdapterFormatError(f"{where}: layers must be a non-empty list of layer indices, got {data['layers']!r}")
     layers = [_as_int(i, "layers entry", where) for i in data["layers"]]

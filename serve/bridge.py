@@ -1,0 +1,69 @@
+"""The async bridge between the engine thread and the event loop: no thread per waiting request.
+
+The engine puts a request's events into an `AsyncSink` from its own thread; the sink hands them to
+the event loop with `call_soon_threadsafe`. Handlers await them with a deadline and, while waiting,
+watch for the client going away, cancelling the request (which frees its slot and its adapter
+reference at the engine's next step).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from serve.errors import DeadlineExceededError
+
+POLL_S = 0.1             # how often a waiting handler checks for a client disconnect
+DEADLINE_MARGIN_S = 5.0  # the engine ends expired requests itself; this is the backstop
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was running (the request was cancelled)."""
+
+
+class AsyncSink:
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event) -> None:          # called from the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def get(self, deadline: float | None, poll: float | None = None):
+        """The next event; raises DeadlineExceededError past `deadline` (+ margin), asyncio.TimeoutError
+        after `poll` seconds without one."""
+        timeout = None if deadline is None else deadline + DEADLINE_MARGIN_S - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceededError("the request did not finish before its deadline")
+        if poll is not None:
+            timeout = poll if timeout is None else min(timeout, poll)
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            if deadline is not None and time.monotonic() > deadline + DEADLINE_MARGIN_S:
+                raise DeadlineExceededError("the request did not finish before its deadline") from None
+            raise
+
+
+async def collect(engine, req, sink: AsyncSink, is_disconnected):
+    """Awaits a non-streaming request's terminal event; cancels it if the client disconnects
+    (checked every POLL_S seconds, whether or not tokens are arriving)."""
+    checked = time.monotonic()
+    try:
+        while True:
+            try:
+                kind, payload = await sink.get(req.deadline, POLL_S)
+            except asyncio.TimeoutError:
+                kind = payload = None
+            if kind == "done":
+                return payload
+            if kind == "error":
+                raise payload
+            if time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
+                if await is_disconnected():
+                    engine.cancel(req)
+                    raise ClientGone()
+    except BaseException:
+        if not req.finished:
+            engine.cancel(req)
+        raise

@@ -1,0 +1,195 @@
+"""OpenAI request bodies -> validated values. Every check raises `BadRequest` (HTTP 400) naming the
+field, so nothing malformed reaches tokenization or the engine.
+
+Fields the server cannot honour yet (`logit_bias`, `response_format` other than text, tools, `n` > 1,
+`logprobs`, `echo`, `suffix`, `best_of` > 1, penalties) are a 400; unknown fields are ignored, as
+OpenAI does.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from preft_jax.sampling import INT32_MAX, SamplingParams
+from serve.errors import RequestError
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+MAX_NAME_CHARS = 256
+
+
+class BadRequest(RequestError):
+    """A malformed body or unsupported field (400)."""
+    code = "invalid_request"
+
+
+_MISSING = object()
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except ValueError as e:                      # e.g. integers of more than 4300 digits
+        raise BadRequest(f"request body has a value that cannot be represented: {e}"[:300]) from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def text(value: str, field: str, max_chars: int | None = None) -> str:
+    """A string that is valid Unicode (no lone surrogates) and not too long."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"'{field}' contains invalid Unicode (a lone surrogate)", field) from None
+    if max_chars is not None and len(value) > max_chars:
+        raise BadRequest(f"'{field}' is longer than {max_chars} characters", field)
+    return value
+
+
+def _type_name(types) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "a list",
+             dict: "an object"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def get(body: dict, key: str, types, default=_MISSING):
+    """body[key] checked against `types` (None/absent -> default; absent without default -> 400)."""
+    v = body.get(key, None)
+    if v is None:
+        if default is _MISSING:
+            raise BadRequest(f"'{key}' is a required field", key)
+        return default
+    wanted = types if isinstance(types, tuple) else (types,)
+    if isinstance(v, bool) and bool not in wanted:
+        raise BadRequest(f"'{key}' must be {_type_name(types)}, got a boolean", key)
+    if not isinstance(v, wanted):
+        raise BadRequest(f"'{key}' must be {_type_name(types)}, got {type(v).__name__}", key)
+    if isinstance(v, str):
+        text(v, key)
+    return v
+
+
+def number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = get(body, key, (int, float), default)
+    if isinstance(v, int) and abs(v) > 1e300:
+        raise BadRequest(f"'{key}' is out of range", key)
+    v = float(v)
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise BadRequest(f"'{key}' must be a finite number in {interval}, got {v}", key)
+    return v
+
+
+def integer(body: dict, key: str, default: int | None, lo: int, hi: int = INT32_MAX) -> int | None:
+    v = get(body, key, int, default)
+    if v is not None and not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be an integer in [{lo}, {hi}], got {v if abs(v) < 10**30 else 'a huge value'}",
+                         key)
+    return v
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("'stop' must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise BadRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    return tuple(text(s, "stop", MAX_STOP_CHARS) for s in stop)
+
+
+def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], vocab_size: int) -> SamplingParams:
+    temperature = number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = integer(body, "top_k", 0, -1, vocab_size)           # -1 or 0: off (vLLM uses -1)
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k), max_new_tokens=max_tokens,
+                          stop_token_ids=stop_ids)
+
+
+def common_checks(body: dict) -> None:
+    """Fields shared by both endpoints that are validated or refused (400) but not otherwise used."""
+    if integer(body, "n", 1, 1) != 1:
+        raise BadRequest("only n=1 is supported", "n")
+    if integer(body, "best_of", 1, 1) != 1:
+        raise BadRequest("only best_of=1 is supported", "best_of")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if number(body, key, 0.0, -2.0, 2.0) != 0:
+            raise BadRequest(f"'{key}' is not supported (must be 0 or absent)", key)
+    if body.get("logprobs") not in (None, False):
+        raise BadRequest("'logprobs' is not supported", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("'top_logprobs' is not supported", "top_logprobs")
+    if body.get("logit_bias"):
+        raise BadRequest("'logit_bias' is not supported", "logit_bias")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise BadRequest("'response_format' is not supported (only {\"type\": \"text\"})", "response_format")
+    if body.get("tools") or body.get("functions"):
+        raise BadRequest("tool / function calling is not supported", "tools")
+    if body.get("tool_choice") not in (None, "none"):
+        raise BadRequest("'tool_choice' is not supported", "tool_choice")
+    integer(body, "seed", None, -(2 ** 63), 2 ** 64 - 1)      # validated; sampling is seeded per engine
+    get(body, "user", str, "")
+    get(body, "stream", bool, False)
+    so = get(body, "stream_options", dict, {})
+    if "include_usage" in so and not isinstance(so["include_usage"], bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean", "stream_options")
+
+
+def max_tokens(body: dict, keys: tuple[str, ...], default: int, prompt_len: int, max_len: int) -> int:
+    for key in keys:
+        v = integer(body, key, None, 1)
+        if v is not None:
+            return v               # the engine refuses prompt + max_tokens > context with a clear 400
+    return max(1, min(default, max_len - prompt_len - 1))
+
+
+def completion_prompt(body: dict) -> str | list[int]:
+    """A string, or a list of token ids (ids range-checked by the engine)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]               # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+        return text(prompt, "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(-INT32_MAX <= t <= INT32_MAX for t in prompt):
+            raise BadRequest("'prompt' token ids must be in the vocabulary", "prompt")
+        return list(prompt)
+    if prompt is None:
+        raise BadRequest("'prompt' is a required field", "prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
+    raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = get(body, "messages", list)
+    if not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
+        role = text(m["role"], f"messages[{i}].role", 64)
+        content = m.get("content")
+        if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": role, "content": text(content, f"messages[{i}].content")})
+    return out

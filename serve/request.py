@@ -1,0 +1,140 @@
+"""A request's life in the engine: queued -> running -> exactly one terminal event.
+
+Events put into `Request.events` (a `queue.Queue` by default, or any object with `.put`, e.g. the
+server's asyncio bridge):
+
+    ("delta", (token_ids, text))     zero or more, as tokens are produced
+    ("done", Result)                 finished: stop, length or cancelled
+    ("error", EngineError)           failed: engine fault, deadline, shutdown
+
+`Request.settle()` is the single place a request becomes terminal; it returns True exactly once, so
+whoever wins (the engine thread, a shutdown, a deadline sweep) releases the adapter reference and
+emits the terminal event, and every other path sees `finished` and leaves it alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Sequence
+
+from preft_jax.sampling import SamplingParams
+from serve.errors import DeadlineExceededError, EngineError
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One request for `Engine.generate` (tuples (prompt_ids, adapter, sampling[, stop]) work too)."""
+    prompt_ids: Sequence[int]
+    adapter: str | None = None
+    sampling: SamplingParams = SamplingParams()
+    stop: Sequence[str] = ()
+
+
+@dataclasses.dataclass
+class Result:
+    request_id: str
+    adapter: str | None
+    tokens: list[int]             # generated ids (a stop token is not included)
+    text: str | None              # decoded text (None without a tokenizer), cut before a stop string
+    finish_reason: str            # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens}
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
+    adapter_slot: int
+    deadline: float | None = None          # time.monotonic() by which the request must end
+    events: object = dataclasses.field(default_factory=queue.Queue)   # anything with .put(event)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    emitted_text: int = 0
+    cancelled: bool = False
+    result: Result | None = None
+    error: EngineError | None = None
+    submitted_at: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    _settled: bool = False
+    _settle_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self._settled
+
+    def settle(self) -> bool:
+        """Marks the request terminal; True for the one caller that does it, False for every other."""
+        with self._settle_lock:
+            if self._settled:
+                return False
+            self._settled = True
+            return True
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (time.monotonic() if now is None else now) > self.deadline
+
+    def emit(self, event) -> None:
+        """Puts an event into the sink; a broken sink (closed event loop, ...) never reaches the engine."""
+        try:
+            self.events.put(event)
+        except Exception:   # noqa: BLE001 - the consumer is gone; nothing to tell it
+            pass
+
+    # ---- consumer side (blocking; the server uses its own async bridge instead) ----------------
+    def _timeout(self, timeout: float | None) -> float | None:
+        if timeout is not None or self.deadline is None:
+            return timeout
+        return max(0.0, self.deadline - time.monotonic()) + 5.0
+
+    def wait(self, timeout: float | None = None) -> Result:
+        """Blocks until finished and returns the result (events: a queue.Queue). Raises EngineError
+        if the request failed, DeadlineExceededError if nothing arrives in time (default: the
+        request's deadline plus a margin; None without one)."""
+        while self.result is None:
+            try:
+                kind, payload = self.events.get(timeout=self._timeout(timeout))
+            except queue.Empty:
+                raise DeadlineExceededError(f"request {self.request_id} did not finish in time") from None
+            if kind == "error":
+                raise payload
+        return self.result
+
+    def stream(self, timeout: float | None = None):
+        """Yields ("delta", (token_ids, text)) events and finally ("done", Result); timeout per event."""
+        while True:
+            try:
+                kind, payload = self.events.get(timeout=self._timeout(timeout))
+            except queue.Empty:
+                raise DeadlineExceededError(f"request {self.request_id} did not finish in time") from None
+            if kind == "error":
+                raise payload
+            yield kind, payload
+            if kind == "done":
+                return

@@ -1,0 +1,234 @@
+"""Engine failure isolation: a failing step fails only the request that caused it (or, when that
+cannot be known, every affected request and nothing else), adapter references are released on every
+path, deadlines and shutdown end stuck requests, and a full queue refuses instead of growing."""
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from adapter_factory import random_lora
+from preft_jax.config import tiny_config
+from preft_jax.generation import ModelRunner
+from preft_jax.model import Llama
+from preft_jax.sampling import SamplingParams
+from reference_llama import random_params
+from serve.engine import Engine, EngineConfig
+from serve.errors import DeadlineExceededError, EngineError, QueueFullError, RequestError, UnavailableError
+from serve.registry import AdapterRegistry
+
+CFG = tiny_config()
+POISON = 251            # a prompt containing this token id makes the faulty runner's prefill fail
+NO_STOP = (-1,)
+
+
+class FaultyRunner(ModelRunner):
+    """The real runner, with injectable failures: poisoned prefills, one failing decode, a decode
+    that blocks until released, and optionally a failure that consumes the donated cache."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.fail_decodes = 0
+        self.consume_cache = False
+        self.block = None          # a threading.Event: decode waits on it
+
+    def _maybe_consume(self, cache):
+        if self.consume_cache:
+            cache.k.delete()
+            cache.v.delete()
+
+    def prefill(self, tokens, prompt_lengths, slot_ids, cache, bank=None, adapter_ids=None):
+        if np.any(np.asarray(tokens) == POISON):
+            self._maybe_consume(cache)
+            raise RuntimeError("injected prefill failure")
+        return super().prefill(tokens, prompt_lengths, slot_ids, cache, bank, adapter_ids)
+
+    def decode(self, tokens, positions, cache, bank=None, adapter_ids=None, prompt_lengths=None):
+        if self.block is not None:
+            self.block.wait()
+        if self.fail_decodes:
+            self.fail_decodes -= 1
+            self._maybe_consume(cache)
+            raise RuntimeError("injected decode failure")
+        return super().decode(tokens, positions, cache, bank, adapter_ids, prompt_lengths)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama.from_params(CFG, random_params(CFG, seed=0))
+
+
+def _engine(model, **kw):
+    runner = FaultyRunner(model)
+    reg = AdapterRegistry(CFG, capacity=2, lora_rank=4, reft_rank=4)
+    reg.load("a", random_lora(CFG, 1))
+    cfg = dict(n_slots=3, max_len=48, prefill_batch=3)
+    cfg.update(kw)
+    return Engine(runner, reg, EngineConfig(**cfg)), runner
+
+
+def _sp(n):
+    return SamplingParams(max_new_tokens=n, stop_token_ids=NO_STOP)
+
+
+def _run(eng):
+    for _ in range(500):
+        if not eng.busy:
+            return
+        eng.step()
+    raise AssertionError("engine did not drain")
+
+
+def _alone(model, prompt, adapter, n):
+    eng, _ = _engine(model)
+    return eng.generate([(prompt, adapter, _sp(n))])[0].tokens
+
+
+def test_poisoned_prefill_fails_only_its_request(model):
+    good = [[3, 4, 5], [9, 8, 7, 6]]
+    want = [_alone(model, p, "a", 6) for p in good]
+    eng, runner = _engine(model)
+    reqs = [eng.submit(good[0], "a", _sp(6)), eng.submit([1, POISON, 2], "a", _sp(6)),
+            eng.submit(good[1], "a", _sp(6))]            # all three land in one prefill batch
+    _run(eng)
+    assert reqs[0].result.tokens == want[0] and reqs[2].result.tokens == want[1]
+    assert isinstance(reqs[1].error, EngineError) and reqs[1].result is None
+    assert "prefilling" in str(reqs[1].error) and reqs[1].request_id in str(reqs[1].error)
+    assert eng.registry.in_use("a") == 0
+    eng.registry.unload("a")                             # no reference leaked
+    assert eng.metrics.requests_failed["engine_error"] == 1
+
+
+def test_prefill_failure_that_consumes_the_cache_fails_the_rows_it_held(model):
+    eng, runner = _engine(model, prefill_batch=1)
+    runner.consume_cache = True
+    running = eng.submit([3, 4, 5], "a", _sp(20))
+    eng.step()
+    eng.step()
+    assert not running.finished
+    bad = eng.submit([POISON], None, _sp(3))
+    after = eng.submit([7, 7], None, _sp(4))
+    _run(eng)
+    assert bad.error is not None and running.error is not None      # its KV rows were lost
+    assert "KV cache lost" in str(running.error)
+    assert after.result.tokens == _alone(model, [7, 7], None, 4)     # queued work is unaffected
+    assert eng.registry.in_use("a") == 0
+
+
+def test_decode_failure_fails_running_requests_only(model):
+    eng, runner = _engine(model, n_slots=2, prefill_batch=2)
+    r1, r2 = eng.submit([3, 4], "a", _sp(8)), eng.submit([5, 6], None, _sp(8))
+    eng.step()
+    waiting = eng.submit([1, 2, 3], "a", _sp(5))           # no free slot: stays queued
+    runner.fail_decodes = 1
+    eng.step()
+    assert isinstance(r1.error, EngineError) and isinstance(r2.error, EngineError)
+    _run(eng)
+    assert waiting.result.tokens == _alone(model, [1, 2, 3], "a", 5)
+    assert eng.registry.in_use("a") == 0 and eng.metrics.step_failures["decode"] == 1
+
+
+def test_host_side_token_failure_fails_only_that_request(model):
+    want = _alone(model, [9, 9, 9], "a", 5)
+    other = _alone(model, [1, 2, 3, 4], None, 5)
+    assert other[:2] != want[:2]
+
+    class Picky:                      # text handling raises for one request's output only
+        eos_token_ids = ()
+
+        def decode(self, ids, skip_special_tokens=True):
+            if list(ids) == want[:2]:
+                raise ValueError("injected decode error")
+            return "y" * len(ids)
+
+    eng, _ = _engine(model)
+    eng.tokenizer = Picky()
+    r_bad = eng.submit([9, 9, 9], "a", _sp(5))
+    r_ok = eng.submit([1, 2, 3, 4], None, _sp(5))
+    _run(eng)
+    assert r_bad.error is not None and "processing its output" in str(r_bad.error)
+    assert r_ok.result.tokens == other
+    assert eng.registry.in_use("a") == 0
+
+
+def test_deadline_and_queue_limit(model):
+    eng, _ = _engine(model, n_slots=1, prefill_batch=1, max_queued=2)
+    slow = eng.submit([3, 4], "a", _sp(40), timeout=0.5)
+    eng.step()                                           # slow now holds the only slot
+    q1 = eng.submit([5], None, _sp(2))
+    eng.submit([6], None, _sp(2))
+    with pytest.raises(QueueFullError, match="queue is full"):
+        eng.submit([7], "a", _sp(2))
+    assert eng.registry.in_use("a") == 1                 # the refused request took no reference
+    time.sleep(0.6)
+    _run(eng)
+    assert isinstance(slow.error, DeadlineExceededError) and slow.error.status == 504
+    assert q1.result is not None and eng.registry.in_use("a") == 0
+    with pytest.raises(RequestError, match="timeout"):
+        eng.submit([1], None, _sp(1), timeout=float("nan"))
+
+
+def test_validation_refuses_what_the_engine_cannot_represent(model):
+    eng, _ = _engine(model)
+    with pytest.raises(RequestError, match="top_k"):
+        eng.submit([1, 2], None, SamplingParams(top_k=CFG.vocab_size + 1))
+    with pytest.raises(RequestError, match="stop token"):
+        eng.submit([1, 2], None, SamplingParams(stop_token_ids=(CFG.vocab_size,)))
+    with pytest.raises(ValueError):
+        SamplingParams(top_k=2 ** 31)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=float("nan"))
+    assert not eng.busy and eng.registry.in_use("a") == 0
+
+
+def test_nan_adapter_is_refused_before_the_bank(model):
+    eng, _ = _engine(model)
+    bad = random_lora(CFG, 5)
+    bad.B["q"][1, 0, 0] = np.nan
+    with pytest.raises(RequestError, match="NaN or Inf"):
+        eng.registry.load("bad", bad)
+    assert "bad" not in eng.registry
+
+
+def test_shutdown_with_a_stuck_step_returns_and_fails_everything(model):
+    eng, runner = _engine(model, n_slots=1, prefill_batch=1)
+    runner.block = threading.Event()
+    eng.start()
+    stuck = eng.submit([3, 4], "a", _sp(10))
+    queued = eng.submit([5, 6], None, _sp(3))
+    deadline = time.monotonic() + 60
+    while eng.health()["step_in_progress_s"] < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.05)                                  # the loop is now blocked inside decode
+    h = eng.health()
+    assert h["running"] == 1 and h["queued"] == 1
+    t0 = time.monotonic()
+    eng.shutdown(grace=0.5, join_timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    for r in (stuck, queued):
+        with pytest.raises(EngineError, match="shutting down"):
+            r.wait(timeout=5)
+    assert eng.registry.in_use("a") == 0
+    with pytest.raises(UnavailableError):
+        eng.submit([1], None, _sp(1))
+    runner.block.set()                                    # let the abandoned thread finish
+
+
+def test_health_reports_a_wedged_step(model):
+    eng, runner = _engine(model, n_slots=1, prefill_batch=1, wedge_timeout=0.3)
+    runner.block = threading.Event()
+    eng.start()
+    try:
+        assert not eng.health()["wedged"]
+        r = eng.submit([3, 4], None, _sp(5))
+        deadline = time.monotonic() + 60
+        while not eng.health()["wedged"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.health()["wedged"]
+        runner.block.set()
+        r.wait(timeout=60)
+        assert not eng.health()["wedged"]
+    finally:
+        runner.block.set()
+        eng.shutdown()
+    jax.clear_caches()
