@@ -55,21 +55,62 @@ def _integer(v, name: str, minimum: int = 0) -> None:
         raise ValueError(f"{name} must be in [{minimum}, {INT32_MAX}], got {v}")
 
 
-def sample(logits, key, temperature, top_p, top_k=None):
-    """logits: [B, V] float32; temperature, top_p: [B]; top_k: int [B] or None -> tokens int32 [B]."""
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.maximum(temperature, 1e-6)[:, None]
-    scaled = logits / t
+CANDIDATES = 256     # top-p / top-k thresholds come from the top CANDIDATES logits when the kept set fits
+
+
+def _threshold_sorted(scaled, top_p, top_k):
+    """Per-row smallest kept logit, by a full sort (a nucleus wider than CANDIDATES tokens)."""
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = cum_before < top_p[:, None]                     # always keeps the top token
-    if top_k is not None:
-        ranks = jnp.arange(logits.shape[-1])[None, :]
-        keep_sorted = keep_sorted & ((top_k[:, None] <= 0) | (ranks < top_k[:, None]))
-    # threshold = smallest kept logit per row
-    threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    sampled = jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature <= 0.0, greedy, sampled)
+    return _threshold_from(sorted_logits, jax.nn.logsumexp(scaled, axis=-1, keepdims=True), top_p, top_k)[0]
+
+
+def _threshold_from(desc, lse, top_p, top_k):
+    """(threshold, fits): desc = the largest logits per row in descending order; fits says whether
+    the kept set (nucleus and top-k) lies inside them."""
+    probs = jnp.exp(desc - lse)
+    cum = jnp.cumsum(probs, axis=-1)
+    keep = (cum - probs) < top_p[:, None]                         # always keeps the top token
+    ranks = jnp.arange(desc.shape[-1])[None, :]
+    keep = keep & ((top_k[:, None] <= 0) | (ranks < top_k[:, None]))
+    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)
+    fits = ((top_k > 0) & (top_k <= desc.shape[-1])) | (cum[:, -1] >= top_p)
+    return threshold, fits
+
+
+def sample(logits, key, temperature, top_p, top_k=None):
+    """logits: [B, V] float32; temperature, top_p: [B]; top_k: int [B] or None -> tokens int32 [B].
+
+    Per-row: temperature 0 is greedy; else softmax(logits / temperature) restricted to the top_k
+    tokens (0 = off) and the top_p nucleus (tokens whose logit ties the smallest kept one are kept
+    too). One compiled function with run-time paths for the whole batch: all rows greedy -> argmax
+    only; rows that filter -> the threshold from the top CANDIDATES logits (`lax.top_k`), or a full
+    sort only when some nucleus is wider than that. The draw is one uniform per row through the
+    cumulative distribution (no per-token noise over the vocabulary)."""
+    logits = logits.astype(jnp.float32)
+    B, V = logits.shape
+    top_k = jnp.zeros((B,), jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling_rows = temperature > 0.0
+
+    def draw():
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        filter_rows = sampling_rows & ((top_p < 1.0) | ((top_k > 0) & (top_k < V)))
+
+        def thresholds():
+            desc, _ = jax.lax.top_k(scaled, min(V, CANDIDATES))
+            lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+            th, fits = _threshold_from(desc, lse, top_p, top_k)
+            return jax.lax.cond(jnp.all(fits | ~filter_rows), lambda: th,
+                                lambda: _threshold_sorted(scaled, top_p, top_k))
+
+        threshold = jax.lax.cond(jnp.any(filter_rows), thresholds, lambda: jnp.full((B,), -jnp.inf))
+        threshold = jnp.where(filter_rows, threshold, -jnp.inf)
+        masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+        cdf = jnp.cumsum(jax.nn.softmax(masked, axis=-1), axis=-1)
+        u = jax.random.uniform(key, (B, 1), jnp.float32) * cdf[:, -1:]
+        sampled = jnp.argmax(cdf > u, axis=-1).astype(jnp.int32)
+        return jnp.where(sampling_rows, sampled, greedy)
+
+    return jax.lax.cond(jnp.any(sampling_rows), draw, lambda: greedy)

@@ -51,14 +51,10 @@ __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Reques
 log = logging.getLogger("serve.engine")
 
 _sample = jax.jit(sample)
-_argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
-INT32_MAX = 2 ** 31 - 1
 
 
 def _pick(logits, key, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> np.ndarray:
-    """Per-row sampling (`preft_jax.sampling.sample`); an all-greedy batch skips its sort over the vocab."""
-    if not np.any(temperature > 0):
-        return np.asarray(_argmax(logits))          # == sample() for temperature 0 rows
+    """Per-row sampling (`preft_jax.sampling.sample`: greedy batches take its argmax-only path)."""
     return np.asarray(_sample(logits, key, jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k)))
 
 
