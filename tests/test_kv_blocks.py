@@ -1,0 +1,55 @@
+"""KV block pool: allocation, reference counts, prefix-cache hits and LRU eviction, and the rule
+that decides when a block is shareable across adapters."""
+import pytest
+
+from serve.kv_blocks import (NULL_BLOCK, BlockPool, NoFreeBlocks, adapter_identity, block_hashes,
+                             first_adapted_position)
+
+
+def test_allocate_free_and_exhaustion():
+    pool = BlockPool(5, 4)
+    blocks = pool.allocate_many(4)
+    assert NULL_BLOCK not in blocks and sorted(blocks) == [1, 2, 3, 4] and pool.num_available == 0
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate()
+    pool.free(blocks[:2])
+    assert pool.num_available == 2
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free([blocks[0]])
+
+
+def test_prefix_hits_refcounts_and_lru_eviction():
+    pool = BlockPool(4, 2)
+    hs = block_hashes([1, 2, 3, 4, 5, 6], 2, first_adapted=1 << 62, adapter_key=None)
+    a = pool.allocate_many(3)
+    for b, h in zip(a, hs):
+        pool.register(b, h)
+    assert pool.lookup(hs[0]) == a[0]                    # shared while the first owner runs
+    pool.free(a)                                         # a[0] still referenced by the hit
+    assert pool.num_available == 2 and pool.num_cached == 3
+    pool.free([a[0]])
+    assert pool.num_available == 3
+    # evicted least recently used first: a's tail (freed in reverse) before its head
+    fresh = pool.allocate()
+    assert fresh == a[2] and pool.stats.evictions == 1 and pool.lookup(hs[2]) is None
+    assert pool.lookup(hs[1]) == a[1] and pool.stats.hits == 2
+
+
+def test_hashes_chain_and_adapter_taint():
+    toks = list(range(12))
+    base = block_hashes(toks, 4, first_adapted=1 << 62, adapter_key=None)
+    ka, kb = adapter_identity("a", b"w1", (False, -1, 1)), adapter_identity("b", b"w2", (False, -1, 1))
+    # last_k=1 on a 12-token prompt: only position 11 is adapted -> blocks ending at 4 and 8 are base
+    fa = first_adapted_position(False, -1, 1, len(toks), True)
+    assert fa == 11
+    ha, hb = block_hashes(toks, 4, fa, ka), block_hashes(toks, 4, fa, kb)
+    assert ha[:2] == base[:2] == hb[:2] and ha[2] != base[2] and ha[2] != hb[2]
+    # first_k, unrestricted prefill and all-token adapt position 0: nothing is shared
+    for f in (first_adapted_position(False, 2, -1, 12, True), first_adapted_position(False, -1, -1, 12, True),
+              first_adapted_position(True, -1, -1, 12, True)):
+        assert f == 0 and block_hashes(toks, 4, f, ka)[0] != base[0]
+    # a changed prefix changes every later hash; new weights change the identity
+    assert block_hashes([99] + toks[1:], 4, 1 << 62, None)[2] != base[2]
+    assert adapter_identity("a", b"w1", (False, -1, 1)) != adapter_identity("a", b"w1-new", (False, -1, 1))
+    assert adapter_identity("a", b"w1", (False, -1, 1)) != adapter_identity("a", b"w1", (False, -1, 2))
+    assert first_adapted_position(False, -1, -1, 12, False) > 12
