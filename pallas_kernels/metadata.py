@@ -27,6 +27,7 @@ Fields (nt = num_rows // block_tokens tiles):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ def padded_rows(num_tokens: int, num_groups: int, block_tokens: int) -> int:
     return -(-bound // block_tokens) * block_tokens
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=("num_groups", "block_tokens"))
 def make_group_metadata(adapter_idx: jax.Array, num_groups: int,
                         block_tokens: int = DEFAULT_BLOCK_TOKENS) -> GroupMetadata:
     """Layout for integer [T] slot ids in [0, num_groups) (out-of-range ids are clipped)."""
