@@ -17,6 +17,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=("auto", "jnp", "xla", "pallas"), default="auto",
+                    help="adapter backend (auto: pallas on TPU/GPU where the kernels lower, else xla; jnp on CPU)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights, KV cache and adapter bank dtype")
     args = ap.parse_args(argv)
 
     from preft_jax.adapters.bank import build_bank
@@ -28,11 +32,11 @@ def main(argv=None) -> int:
 
     try:
         cfg, params, tok = load_model(args.model)
-        bank = build_bank(cfg, [load_adapter(args.adapter, cfg)]) if args.adapter else None
+        bank = build_bank(cfg, [load_adapter(args.adapter, cfg)], dtype=args.dtype) if args.adapter else None
+        runner = ModelRunner(Llama.from_params(cfg, params, dtype=args.dtype, adapter_backend=args.backend))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runner = ModelRunner(Llama.from_params(cfg, params))
     ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_tokens,
                               stop_token_ids=tuple(tok.eos_token_ids))

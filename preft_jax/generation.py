@@ -1,7 +1,9 @@
 """The prefill/decode core shared by serving, RL rollouts and tests.
 
 Pure jitted step functions take `(graphdef, state)` of a split `Llama` (split once, in
-`ModelRunner`) and the adapter bank as arguments, so new adapter weights never recompile.
+`ModelRunner`) and the adapter bank as arguments, so new adapter weights never recompile. Each
+step builds its `AdapterContext` once (token -> slot layout; grouped for prefill and teacher
+forcing, per-token gather for decode) and every layer uses it.
 
 * `prefill_step`: adapted prefill of a right-padded prompt batch into cache slots; returns the
   logits of each prompt's last token (which samples the first output token).
@@ -42,7 +44,7 @@ def sequence_hidden(graphdef, state, tokens, prompt_lengths, bank=None, adapter_
     """Teacher-forced final hidden states [B, T, d] (pre final norm). Not jitted: trainers wrap it."""
     model = nnx.merge(graphdef, state)
     idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths)
-    h, _ = model.forward_chunk(tokens, idx, bank)
+    h, _ = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank))
     return h
 
 
@@ -58,15 +60,15 @@ def prefill_step(graphdef, state, tokens, prompt_lengths, slot_ids, cache: KVCac
     """tokens: int [B, T] right-padded; writes K/V into cache[slot_ids]. -> (last logits [B, V], cache)."""
     model = nnx.merge(graphdef, state)
     idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths)
-    h, cache = model.forward_chunk(tokens, idx, bank, cache, slot_ids)
+    h, cache = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank), cache, slot_ids)
     last = h[jnp.arange(tokens.shape[0]), prompt_lengths - 1]
     return model.logits(last), cache
 
 
 def _decode(graphdef, state, tokens, positions, cache, bank, adapter_ids, prompt_lengths):
     model = nnx.merge(graphdef, state)
-    idx = None if bank is None else _token_idx(bank, adapter_ids, positions[:, None], prompt_lengths)[:, 0]
-    return model.decode(tokens, positions, cache, idx, bank)
+    idx = _token_idx(bank, adapter_ids, positions[:, None], prompt_lengths)           # [n, 1]
+    return model.decode(tokens, positions, cache, bank, model.adapter_context(idx, bank))
 
 
 decode_step = jax.jit(_decode, static_argnums=0, donate_argnames=("cache",))
@@ -117,6 +119,7 @@ class ModelRunner:
     def __init__(self, model: Llama):
         self.cfg = model.cfg
         self.dtype = model.dtype
+        self.adapter_backend = model.adapter_backend
         self.graphdef, self.state = nnx.split(model)
 
     def prefill(self, tokens, prompt_lengths, slot_ids, cache, bank=None, adapter_ids=None):

@@ -8,8 +8,13 @@ Layer parameters are stacked on a leading `n_layers` axis and the forward pass s
   into cache slots.
 * `decode` - one token per cache slot at its own position, attending to the cache.
 
-Adapters enter through a per-token slot index (`token_adapter_idx`, 0 = base) into an
-`AdapterBank`; passing `bank=None` compiles the plain base model.
+Adapters enter through an `AdapterBank` (weights, scanned per layer) and an `AdapterContext`
+(the step's token -> slot layout, built once per step by `adapter_context`); each projection makes
+one backend-independent call `ctx.lora(x, A, B)`, each layer with ReFT one `ctx.reft(...)`.
+Passing `bank=None` compiles the plain base model.
+
+dtype (float32 | bfloat16) is the weights' and activations' dtype; RMSNorm statistics, RoPE, the
+attention softmax, the logits and the LoRA shrink accumulation are float32 whatever the dtype.
 """
 from __future__ import annotations
 
@@ -18,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from preft_jax.adapters.apply import lora_delta, reft_intervene
 from preft_jax.adapters.bank import AdapterBank, LayerAdapters
+from preft_jax.adapters.context import AdapterContext, resolve_backend
 from preft_jax.config import ModelConfig
 from preft_jax.kv_cache import KVCache
 from preft_jax.rope import apply_rope, inverse_frequencies
@@ -28,6 +33,19 @@ LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up
 # canonical weight name -> LoRA target short name
 PROJECTION_TARGET = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w_gate": "gate", "w_up": "up",
                      "w_down": "down"}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def model_dtype(dtype):
+    """'float32' | 'bfloat16' (or the jnp dtype) -> the jnp dtype; anything else is an error."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    for supported in DTYPES.values():
+        if dt == jnp.dtype(supported):
+            return supported
+    raise ValueError(f"model dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
 
 
 def rms_norm(x, scale, eps):
@@ -57,10 +75,11 @@ class LayerStack(nnx.Module):
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, adapter_backend: str = "jnp"):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, adapter_backend: str = "auto"):
+        dtype = model_dtype(dtype)
         self.cfg = cfg
         self.dtype = dtype
-        self.adapter_backend = adapter_backend
+        self.adapter_backend = resolve_backend(adapter_backend)     # "auto" resolved here, static
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), dtype) * 0.02)
         self.layers = LayerStack(cfg, rngs=rngs, dtype=dtype)
         self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), dtype))
@@ -71,8 +90,9 @@ class Llama(nnx.Module):
 
     # ---- weights -------------------------------------------------------------------------------
     @classmethod
-    def from_params(cls, cfg: ModelConfig, params: dict, dtype=jnp.float32, adapter_backend: str = "jnp"):
+    def from_params(cls, cfg: ModelConfig, params: dict, dtype=jnp.float32, adapter_backend: str = "auto"):
         """Builds the model from canonical params (see preft_jax.loading) without random init work."""
+        dtype, adapter_backend = model_dtype(dtype), resolve_backend(adapter_backend)
         model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, adapter_backend=adapter_backend))
         expected = {"embed", "final_norm", *LAYER_PARAMS} | (set() if cfg.tie_embeddings else {"lm_head"})
         missing = expected - set(params)
@@ -100,36 +120,32 @@ class Llama(nnx.Module):
         w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
-    def _project(self, x, w, name, adapters: LayerAdapters | None, idx, decode: bool):
+    def _project(self, x, w, name, adapters: LayerAdapters | None, ctx: AdapterContext | None):
         y = jnp.einsum("btd,de->bte", x, w)
         target = PROJECTION_TARGET[name]
         if adapters is not None and target in adapters.lora_A:
-            B, T, _ = x.shape
-            delta = lora_delta(x.reshape(B * T, -1), adapters.lora_A[target], adapters.lora_B[target],
-                               idx.reshape(-1), self.adapter_backend, decode)
-            y = y + delta.reshape(B, T, -1).astype(y.dtype)
+            y = y + ctx.lora(x, adapters.lora_A[target], adapters.lora_B[target]).astype(y.dtype)
         return y
 
-    def _layer(self, h, p, layer, adapters, reft_subtract, idx, positions, attend, cache, decode):
+    def _layer(self, h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache):
         """One decoder layer. `attend(layer, q, k, v, cache) -> (out [B, T, H, hd], cache)`."""
         cfg = self.cfg
         B, T, _ = h.shape
         x = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-        q = self._project(x, p["wq"], "wq", adapters, idx, decode).reshape(B, T, cfg.n_heads, cfg.head_dim)
-        k = self._project(x, p["wk"], "wk", adapters, idx, decode).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v = self._project(x, p["wv"], "wv", adapters, idx, decode).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        q = self._project(x, p["wq"], "wq", adapters, ctx).reshape(B, T, cfg.n_heads, cfg.head_dim)
+        k = self._project(x, p["wk"], "wk", adapters, ctx).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = self._project(x, p["wv"], "wv", adapters, ctx).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         q = apply_rope(q, positions, self._inv_freq)
         k = apply_rope(k, positions, self._inv_freq)
         attn, cache = attend(layer, q, k, v, cache)
-        h = h + self._project(attn.reshape(B, T, cfg.q_dim), p["wo"], "wo", adapters, idx, decode)
+        h = h + self._project(attn.reshape(B, T, cfg.q_dim), p["wo"], "wo", adapters, ctx)
         x = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-        gate = self._project(x, p["w_gate"], "w_gate", adapters, idx, decode)
-        up = self._project(x, p["w_up"], "w_up", adapters, idx, decode)
-        h = h + self._project(jax.nn.silu(gate) * up, p["w_down"], "w_down", adapters, idx, decode)
+        gate = self._project(x, p["w_gate"], "w_gate", adapters, ctx)
+        up = self._project(x, p["w_up"], "w_up", adapters, ctx)
+        h = h + self._project(jax.nn.silu(gate) * up, p["w_down"], "w_down", adapters, ctx)
         if adapters is not None and adapters.reft_R is not None:
             # ReFT edits the residual stream after this layer (zero R = identity for other layers).
-            h = reft_intervene(h.reshape(B * T, -1), adapters.reft_R, adapters.reft_W, adapters.reft_b,
-                               reft_subtract, idx.reshape(-1), self.adapter_backend).reshape(B, T, -1)
+            h = ctx.reft(h, adapters.reft_R, adapters.reft_W, adapters.reft_b, reft_subtract)
         return h, cache
 
     def _attention(self, q, k, v, mask):
@@ -144,7 +160,7 @@ class Llama(nnx.Module):
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
         return out.reshape(B, T, H, hd).astype(q.dtype)
 
-    def _scan_layers(self, h, bank: AdapterBank | None, idx, positions, attend, cache, decode: bool):
+    def _scan_layers(self, h, bank: AdapterBank | None, ctx, positions, attend, cache):
         """Scans the layer body over the stacked weights, carrying the cache (updated in place)."""
         xs = (jnp.arange(self.cfg.n_layers), self.layers.stacked(), None if bank is None else bank.per_layer())
         reft_subtract = None if bank is None else bank.reft_subtract
@@ -152,25 +168,35 @@ class Llama(nnx.Module):
         def body(carry, x):
             h, cache = carry
             layer, p, adapters = x
-            h, cache = self._layer(h, p, layer, adapters, reft_subtract, idx, positions, attend, cache, decode)
+            h, cache = self._layer(h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache)
             return (h, cache), None
 
         (h, cache), _ = jax.lax.scan(body, (h, cache), xs)
         return h, cache
 
     # ---- entry points --------------------------------------------------------------------------
-    def forward_chunk(self, tokens, token_adapter_idx=None, bank: AdapterBank | None = None,
+    def adapter_context(self, token_slots, bank: AdapterBank | None, mode: str | None = None):
+        """The step's AdapterContext for token_slots int [B, T] (slot per token) with this model's
+        adapter backend; None without a bank. mode None: gather for one token per sequence, else grouped."""
+        if bank is None:
+            return None
+        if token_slots is None:
+            raise ValueError("a bank needs token -> slot indices")
+        return AdapterContext.build(token_slots, bank.n_slots, self.adapter_backend, mode)
+
+    def forward_chunk(self, tokens, bank: AdapterBank | None = None, ctx: AdapterContext | None = None,
                       cache: KVCache | None = None, slot_ids=None):
         """tokens: int [B, T] at positions 0..T-1 (right-padded). Returns (hidden [B, T, d], cache).
 
-        Attention is causal within the chunk. If `cache` is given, sequence b's K/V are written to
-        cache slot `slot_ids[b]` at positions 0..T-1 (padding positions too: they are never attended
-        before decode overwrites them).
+        `ctx` (from `adapter_context`, B * T tokens) is required with a bank. Attention is causal
+        within the chunk. If `cache` is given, sequence b's K/V are written to cache slot
+        `slot_ids[b]` at positions 0..T-1 (padding positions too: they are never attended before
+        decode overwrites them).
         """
         B, T = tokens.shape
+        self._check_context(bank, ctx, B * T)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-        idx = self._adapter_idx(token_adapter_idx, bank, (B, T))
         slots = None if cache is None else jnp.asarray(slot_ids, jnp.int32)[:, None]
 
         def attend(layer, q, k, v, c):
@@ -180,16 +206,18 @@ class Llama(nnx.Module):
             return self._attention(q, k, v, causal), c
 
         h = self.embed[...][tokens].astype(self.dtype)
-        return self._scan_layers(h, bank, idx, positions, attend, cache, decode=False)
+        return self._scan_layers(h, bank, ctx, positions, attend, cache)
 
-    def decode(self, tokens, positions, cache: KVCache, token_adapter_idx=None, bank: AdapterBank | None = None):
+    def decode(self, tokens, positions, cache: KVCache, bank: AdapterBank | None = None,
+               ctx: AdapterContext | None = None):
         """tokens, positions: int [n_slots]; one new token per cache slot, written at its position.
 
+        `ctx` (n_slots tokens, normally gather mode) is required with a bank.
         Returns (logits [n_slots, V] float32, cache)."""
         n = tokens.shape[0]
+        self._check_context(bank, ctx, n)
         positions = jnp.asarray(positions, jnp.int32)
         mask = (jnp.arange(cache.max_len)[None, :] <= positions[:, None])[:, None, :]   # [n, 1, S]
-        idx = self._adapter_idx(None if token_adapter_idx is None else token_adapter_idx[:, None], bank, (n, 1))
         rows = jnp.arange(n)
 
         def attend(layer, q, k, v, c):
@@ -199,12 +227,15 @@ class Llama(nnx.Module):
             return out, KVCache(kk, vv)
 
         h = self.embed[...][tokens[:, None]].astype(self.dtype)
-        h, cache = self._scan_layers(h, bank, idx, positions[:, None], attend, cache, decode=True)
+        h, cache = self._scan_layers(h, bank, ctx, positions[:, None], attend, cache)
         return self.logits(h[:, 0]), cache
 
-    def _adapter_idx(self, token_adapter_idx, bank, shape):
+    @staticmethod
+    def _check_context(bank, ctx, num_tokens):
         if bank is None:
-            return None
-        if token_adapter_idx is None:
-            raise ValueError("a bank needs token_adapter_idx")
-        return jnp.asarray(token_adapter_idx, jnp.int32).reshape(shape)
+            return
+        if ctx is None:
+            raise ValueError("a bank needs an AdapterContext (Llama.adapter_context(token_slots, bank))")
+        if ctx.n_slots != bank.n_slots or ctx.num_tokens != num_tokens:
+            raise ValueError(f"adapter context for {ctx.num_tokens} tokens / {ctx.n_slots} slots, but the step has "
+                             f"{num_tokens} tokens and the bank {bank.n_slots} slots")

@@ -3,11 +3,12 @@
     python -m serve generate --prompt "What is the capital of France?" [--adapter NAME=FOLDER ...]
                              [--use|--adapter-name NAME] [--max-tokens 64] [--temperature 0] [--mode prefill|all]
     python -m serve server [--host 127.0.0.1] [--port 8000] [--adapter NAME=FOLDER ...]
-                           [--mode prefill|all] [--slots 8] [--max-len 1024] [--backend jnp|pallas]
+                           [--mode prefill|all] [--slots 8] [--max-len 1024]
                            [--model PATH|tiny] [--capacity 16] [--lora-rank 16] [--reft-rank 8]
                            [--api-key KEY] [--admin-key KEY] [--allow-unauthenticated-admin]
                            [--adapter-root DIR] [--max-queued 1024] [--request-timeout 600]
                            [--max-body-bytes 4194304] [--shutdown-grace 10] [--no-warmup]
+    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16]
 
 `--model tiny` is a small random-weight model with a UTF-8 byte tokenizer (demos, fault tests).
 
@@ -67,7 +68,7 @@ def _load_adapter_weights(cfg, folders: dict[str, str]) -> dict:
 
 
 def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank, reft_rank, mode, slots,
-                  max_len, backend, prefill_batch=4, max_queued=1024, request_timeout=600.0):
+                  max_len, backend, prefill_batch=4, dtype="float32", max_queued=1024, request_timeout=600.0):
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
     from serve.engine import Engine, EngineConfig
@@ -76,8 +77,11 @@ def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank,
         raise CliError(f"--max-len {max_len} exceeds the model's context {cfg.max_seq_len}")
     if len(weights) > capacity:
         raise CliError(f"{len(weights)} adapters given but --capacity is {capacity}")
-    runner = ModelRunner(Llama.from_params(cfg, params, adapter_backend=backend))
-    registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank)
+    try:
+        runner = ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank, dtype=runner.dtype)
     for name, w in weights.items():
         try:
             registry.load(name, w)
@@ -118,7 +122,8 @@ def cmd_generate(args) -> int:
         raise CliError(f"prompt of {len(prompt_ids)} tokens does not fit the context {cfg.max_seq_len}")
     lora_rank, reft_rank = _ranks(weights)
     engine = _build_engine(cfg, params, tok, weights, capacity=len(weights), lora_rank=lora_rank,
-                           reft_rank=reft_rank, mode=args.mode, slots=1, max_len=max_len, backend=args.backend)
+                           reft_rank=reft_rank, mode=args.mode, slots=1, max_len=max_len, backend=args.backend,
+                           dtype=args.dtype)
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
                         stop_token_ids=tuple(tok.eos_token_ids))
     result = engine.generate([(prompt_ids, args.use, sp)])[0]
@@ -145,7 +150,7 @@ def cmd_server(args) -> int:
     engine = _build_engine(cfg, params, tok, weights, capacity=args.capacity, lora_rank=args.lora_rank,
                            reft_rank=args.reft_rank, mode=args.mode, slots=args.slots,
                            max_len=args.max_len, backend=args.backend, prefill_batch=args.prefill_batch,
-                           max_queued=args.max_queued, request_timeout=args.request_timeout or None)
+                           dtype=args.dtype, max_queued=args.max_queued, request_timeout=args.request_timeout or None)
     if not args.no_warmup:
         seconds = engine.warmup(progress=lambda msg: print(f"warmup: {msg}", file=sys.stderr, flush=True))
         print(f"warmup: done in {seconds:.1f} s", file=sys.stderr, flush=True)
@@ -174,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="load a PEFT LoRA or ReFT adapter folder under NAME (repeatable)")
         sp.add_argument("--mode", choices=("prefill", "all"), default="prefill",
                         help="prefill: adapters at prefill only (PreFT); all: adapters at every token")
-        sp.add_argument("--backend", choices=("jnp", "pallas"), default="jnp", help="adapter kernels")
+        sp.add_argument("--backend", choices=("auto", "jnp", "xla", "pallas"), default="auto",
+                        help="adapter backend (auto: pallas on TPU/GPU where the kernels lower, else xla; jnp on CPU)")
+        sp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights, KV cache and adapter bank dtype")
 
     g = sub.add_parser("generate", help="print the completion of one chat prompt")
     common(g)

@@ -67,3 +67,18 @@ def test_generate_with_adapter_matches_reference(default_model, tmp_path):
     adapted = runner.generate([ids], sp, bank=bank, adapter_ids=[1])[0].tokens
     assert r.stdout.rstrip("\n") == tok.decode(adapted).rstrip("\n")
     assert adapted != runner.generate([ids], sp)[0].tokens      # the adapter changes the answer
+
+
+@pytest.mark.real_model
+def test_generate_bf16_on_xla_backend(default_gguf_path):
+    r = run_cli("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12",
+                "--backend", "xla", "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_unknown_backend_or_dtype_exits_2():
+    r = run_cli("generate", "--prompt", "hi", "--backend", "cuda")
+    assert r.returncode == 2 and "'auto', 'jnp', 'xla', 'pallas'" in r.stderr
+    r = run_cli("server", "--dtype", "float16")
+    assert r.returncode == 2 and "'float32', 'bfloat16'" in r.stderr

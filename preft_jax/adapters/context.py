@@ -1,0 +1,248 @@
+"""Per-step adapter context: the token -> slot layout, built once per step, and one backend-independent
+call per adapter kind that every layer makes (the role of vLLM's punica wrapper).
+
+    ctx = AdapterContext.build(token_slots, bank.n_slots, backend)   # once per step, [B, T] slots
+    y = x @ w + ctx.lora(x, A, B)                                    # every LoRA projection
+    h = ctx.reft(h, R, W, b, subtract)                               # after a layer with ReFT
+
+The context holds the flattened slot ids and whatever grouped layout its backend needs (for `xla`:
+the stable sort order by slot, its inverse and the group sizes), so no layer recomputes layout.
+
+Layout mode, decided when the context is built (static):
+  "gather"   each token gathers its own slot's weights (BGMV). Default when every sequence has one
+             token (decode: token_slots [n, 1]).
+  "grouped"  tokens grouped by slot, each group multiplied by its slot's weights (SGMV / ragged_dot).
+             Default for chunks (prefill, training).
+
+Backends (`BACKENDS`):
+  jnp     plain XLA, the reference: per-token gather; grouped chunks of banks with <= 4 slots use a
+          per-slot dense product with a per-row select (fast on CPU).
+  xla     for accelerators: grouped chunks through `jax.lax.ragged_dot` on tokens sorted by slot
+          (shrink and expand each one grouped matmul); decode through the per-token gather.
+          Note: XLA lowers ragged_dot natively on TPU; on CPU and NVIDIA GPUs (jax 0.10) it expands
+          it into a dense group-masked dot (N x the FLOPs, an [N, T, d] temporary) unless the cuDNN
+          ragged-dot fusion is enabled (XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true,
+          cuDNN >= 9.22). scripts/device_check.py times it against the Pallas kernels.
+  pallas  the Pallas kernels (pallas_kernels: SGMV grouped, BGMV gather, ReFT); interpret mode on CPU.
+          A shape the kernels cannot tile falls back to `xla` with a one-time warning.
+  auto    pallas on TPU and GPU when the kernels lower there (probed once by lowering them), else
+          xla; jnp on CPU. The platform is `jax.default_backend()` at resolution time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from preft_jax.adapters import apply
+
+BACKENDS = ("auto", "jnp", "xla", "pallas")
+MODES = ("gather", "grouped")
+SELECT_MAX_SLOTS = 4          # jnp backend: banks up to this many slots use the per-slot select
+PALLAS_BLOCK_TOKENS = 16      # token tile of the grouped Pallas kernels (their default)
+
+log = logging.getLogger(__name__)
+_warned: set = set()
+
+
+# ---- backend resolution ----------------------------------------------------------------------
+def _lowering_platform(platform: str) -> str:
+    if platform != "gpu":
+        return platform
+    try:
+        version = jax.devices("gpu")[0].client.platform_version.lower()
+    except Exception:          # noqa: BLE001  (no GPU client: probing for another machine)
+        version = ""
+    return "rocm" if "rocm" in version else "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_lowers_on(platform: str) -> bool:
+    """Whether the Pallas kernels compile (interpret=False) for `platform` ("cpu" = interpret mode).
+
+    Probed once per platform by lowering each kernel at a small shape (no device needed)."""
+    if platform == "cpu":
+        return True
+    import pallas_kernels
+    lp = _lowering_platform(platform)
+    T, d, r, n = 32, 128, 8, 3
+    x = jax.ShapeDtypeStruct((T, d), jnp.float32)
+    idx = jax.ShapeDtypeStruct((T,), jnp.int32)
+    A = jax.ShapeDtypeStruct((n, d, r), jnp.float32)
+    B = jax.ShapeDtypeStruct((n, r, d), jnp.float32)
+    R = jax.ShapeDtypeStruct((n, r, d), jnp.float32)
+    b, s = jax.ShapeDtypeStruct((n, r), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32)
+    probes = [(functools.partial(pallas_kernels.lora_sgmv, interpret=False), (x, A, B, idx)),
+              (functools.partial(pallas_kernels.lora_bgmv, interpret=False), (x, A, B, idx)),
+              (functools.partial(pallas_kernels.reft_apply, interpret=False), (x, R, R, b, s, idx))]
+    try:
+        for fn, args in probes:
+            jax.jit(fn).trace(*args).lower(lowering_platforms=(lp,))
+    except Exception as e:     # noqa: BLE001  (any lowering failure means "not on this platform")
+        log.info("pallas kernels do not lower on %s: %s", lp, str(e).splitlines()[0] if str(e) else e)
+        return False
+    return True
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """'auto' -> a concrete backend for `platform` (default: jax.default_backend()); checks support.
+
+    Raises ValueError for an unknown backend, or pallas on a platform its kernels do not lower on."""
+    if backend not in BACKENDS:
+        raise ValueError(f"adapter backend must be one of {BACKENDS}, got {backend!r}")
+    platform = jax.default_backend() if platform is None else platform
+    if backend == "auto":
+        if platform == "cpu":
+            return "jnp"
+        if platform in ("tpu", "gpu") and pallas_lowers_on(platform):
+            return "pallas"
+        return "xla"
+    if backend == "pallas" and not pallas_lowers_on(platform):
+        raise ValueError(f"adapter backend 'pallas': the Pallas kernels do not lower on {platform!r} "
+                         f"in this build; supported here: 'jnp', 'xla' (or 'auto', which picks one)")
+    return backend
+
+
+def _tiling_errors():
+    import pallas_kernels
+    return getattr(pallas_kernels, "TilingError", ValueError)
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.warning(message)
+
+
+# ---- the context -----------------------------------------------------------------------------
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["slots", "order", "inverse", "group_sizes", "kernel_metadata"],
+                   meta_fields=["backend", "mode", "n_slots"])
+@dataclasses.dataclass(frozen=True)
+class AdapterContext:
+    slots: jax.Array                    # int32 [T]: slot of each flattened token
+    order: jax.Array | None             # int32 [T]: tokens stably sorted by slot (xla grouped)
+    inverse: jax.Array | None           # int32 [T]: position of token t in `order`
+    group_sizes: jax.Array | None       # int32 [N]: tokens per slot (xla grouped)
+    kernel_metadata: Any                # Pallas group metadata, built once per step (see build)
+    backend: str                        # resolved: "jnp" | "xla" | "pallas"
+    mode: str                           # "gather" | "grouped"
+    n_slots: int
+
+    @classmethod
+    def build(cls, token_slots, n_slots: int, backend: str = "jnp", mode: str | None = None) -> "AdapterContext":
+        """token_slots: int [B, T] (or [T]) slot per token, 0 = base; n_slots: the bank's slot count.
+
+        mode None: "gather" when each sequence has one token (token_slots [B, 1] or [T]), else
+        "grouped". Slot ids are clipped to [0, n_slots) like the kernels do (callers validate)."""
+        backend = resolve_backend(backend)
+        token_slots = jnp.asarray(token_slots)
+        if mode is None:
+            mode = "gather" if token_slots.ndim == 1 or token_slots.shape[-1] == 1 else "grouped"
+        if mode not in MODES:
+            raise ValueError(f"adapter context mode must be one of {MODES}, got {mode!r}")
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        slots = jnp.clip(token_slots.reshape(-1).astype(jnp.int32), 0, n_slots - 1)
+        order = inverse = group_sizes = metadata = None
+        if mode == "grouped" and backend == "xla":
+            order, inverse, group_sizes = sorted_layout(slots, n_slots)
+        if mode == "grouped" and backend == "pallas":
+            # >>> Pallas layout hook: once pallas_kernels provides it, build the kernels' group
+            # metadata here, once per step, and every lora/reft call passes it (metadata=...):
+            # metadata = pallas_kernels.make_group_metadata(slots, n_slots, PALLAS_BLOCK_TOKENS)
+            metadata = None
+        return cls(slots, order, inverse, group_sizes, metadata, backend, mode, int(n_slots))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots.shape[0]
+
+    def _flat(self, x, name):
+        tokens = math.prod(x.shape[:-1])
+        if tokens != self.num_tokens:
+            raise ValueError(f"{name} {x.shape} has {tokens} tokens, the adapter context {self.num_tokens}")
+        return x.reshape(tokens, x.shape[-1])
+
+    def _check_slots(self, w, name):
+        if w.shape[0] != self.n_slots:
+            raise ValueError(f"{name} has {w.shape[0]} slots, the adapter context was built for {self.n_slots}")
+
+    def _sorted(self):
+        if self.order is not None:
+            return self.order, self.inverse, self.group_sizes
+        return sorted_layout(self.slots, self.n_slots)       # only the Pallas fallback gets here
+
+    def _kernel_kwargs(self):
+        return {} if self.kernel_metadata is None else {"metadata": self.kernel_metadata}
+
+    # ---- LoRA ----------------------------------------------------------------------------------
+    def lora(self, x, A, B):
+        """Multi-adapter LoRA delta: x [..., d_in] (T tokens), A [N, d_in, r], B [N, r, d_out] -> [..., d_out]."""
+        self._check_slots(A, "LoRA A")
+        lead, xf = x.shape[:-1], self._flat(x, "x")
+        out = self._lora_flat(xf, A, B)
+        return out.reshape(lead + out.shape[-1:])
+
+    def _lora_flat(self, x, A, B):
+        if self.mode == "gather" and self.backend in ("jnp", "xla"):
+            return apply.lora_gather(x, A, B, self.slots)
+        if self.backend == "jnp":
+            if self.n_slots <= SELECT_MAX_SLOTS:
+                return apply.lora_select(x, A, B, self.slots)
+            return apply.lora_gather(x, A, B, self.slots)
+        if self.backend == "pallas":
+            import pallas_kernels
+            kernel = pallas_kernels.lora_bgmv if self.mode == "gather" else pallas_kernels.lora_sgmv
+            try:
+                return kernel(x, A, B, self.slots, **self._kernel_kwargs())
+            except _tiling_errors() as e:
+                self._fallback_warning(kernel.__name__, (x.shape, A.shape, B.shape, str(x.dtype)), e)
+                if self.mode == "gather":
+                    return apply.lora_gather(x, A, B, self.slots)
+        order, inverse, gs = self._sorted()
+        ys = apply.lora_ragged(x[order], A, B, gs, self.slots[order])
+        return ys[inverse]
+
+    # ---- ReFT ----------------------------------------------------------------------------------
+    def reft(self, h, R, W, b, subtract):
+        """Multi-adapter ReFT edit of the residual stream: h [..., d]; R, W [N, r, d]; b [N, r];
+        subtract [N] -> h + R^T (W h + b - subtract * R h), per token's slot (zero R = identity)."""
+        self._check_slots(R, "ReFT R")
+        lead, hf = h.shape[:-1], self._flat(h, "h")
+        return self._reft_flat(hf, R, W, b, subtract).reshape(lead + h.shape[-1:])
+
+    def _reft_flat(self, h, R, W, b, subtract):
+        if self.backend == "jnp" or (self.backend == "xla" and self.mode == "gather"):
+            return apply.reft_gather(h, R, W, b, subtract, self.slots)
+        if self.backend == "pallas":
+            import pallas_kernels
+            try:
+                return pallas_kernels.reft_apply(h, R, W, b, subtract, self.slots, **self._kernel_kwargs())
+            except _tiling_errors() as e:
+                self._fallback_warning("reft_apply", (h.shape, R.shape, str(h.dtype)), e)
+                if self.mode == "gather":
+                    return apply.reft_gather(h, R, W, b, subtract, self.slots)
+        order, inverse, gs = self._sorted()
+        outs = apply.reft_ragged(h[order], R, W, b, subtract, gs, self.slots[order])
+        return outs[inverse]
+
+    def _fallback_warning(self, kernel, shapes, err):
+        _warn_once((kernel, shapes), f"pallas kernel {kernel} cannot tile shapes {shapes} ({err}); "
+                                     f"using the xla adapter backend for them")
+
+
+def sorted_layout(slots, n_slots: int):
+    """(order, inverse, group_sizes) of int32 slot ids [T]: stable sort by slot and its inverse."""
+    T = slots.shape[0]
+    order = jnp.argsort(slots, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros((T,), jnp.int32).at[order].set(jnp.arange(T, dtype=jnp.int32), unique_indices=True)
+    group_sizes = jnp.bincount(slots, length=n_slots).astype(jnp.int32)
+    return order, inverse, group_sizes

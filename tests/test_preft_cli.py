@@ -1,0 +1,31 @@
+"""`python -m preft_jax`: chat with the default model; --backend / --dtype; bad flags exit 2."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=300):
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    return subprocess.run([sys.executable, "-m", "preft_jax", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.real_model
+def test_chat_bf16_xla_backend(default_gguf_path):
+    r = run_cli("What is the capital of France?", "--max-tokens", "12", "--backend", "xla", "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_bad_backend_and_dtype_exit_2():
+    r = run_cli("hi", "--backend", "triton")
+    assert r.returncode == 2 and "'auto', 'jnp', 'xla', 'pallas'" in r.stderr
+    r = run_cli("hi", "--dtype", "float16")
+    assert r.returncode == 2 and "'float32', 'bfloat16'" in r.stderr
