@@ -111,7 +111,7 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
 def _tiling_errors():
     import pallas_kernels
-    return getattr(pallas_kernels, "TilingError", ValueError)
+    return pallas_kernels.TilingError
 
 
 def _warn_once(key, message):
@@ -155,10 +155,8 @@ class AdapterContext:
         if mode == "grouped" and backend == "xla":
             order, inverse, group_sizes = sorted_layout(slots, n_slots)
         if mode == "grouped" and backend == "pallas":
-            # >>> Pallas layout hook: once pallas_kernels provides it, build the kernels' group
-            # metadata here, once per step, and every lora/reft call passes it (metadata=...):
-            # metadata = pallas_kernels.make_group_metadata(slots, n_slots, PALLAS_BLOCK_TOKENS)
-            metadata = None
+            import pallas_kernels          # the kernels' tile layout, once per step for every layer
+            metadata = pallas_kernels.make_group_metadata(slots, n_slots, PALLAS_BLOCK_TOKENS)
         return cls(slots, order, inverse, group_sizes, metadata, backend, mode, int(n_slots))
 
     @property
