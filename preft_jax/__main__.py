@@ -17,7 +17,12 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-cache", action="store_true",
+                    help="neither read nor write the weight / compilation caches (see docs/caching.md)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
+    from preft_jax.cache.startup import fast_start
+    fast_start(use_cache=not args.no_cache)
 
     from preft_jax.adapters.bank import build_bank
     from preft_jax.adapters.reft_io import load_adapter
@@ -27,7 +32,8 @@ def main(argv=None) -> int:
     from preft_jax.sampling import SamplingParams
 
     try:
-        cfg, params, tok = load_model(args.model)
+        cfg, params, tok = load_model(args.model, cache=False if args.no_cache else None,
+                                      progress=False if args.quiet else None)
         bank = build_bank(cfg, [load_adapter(args.adapter, cfg)]) if args.adapter else None
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
