@@ -143,12 +143,12 @@ def adapter_kind(folder: str | os.PathLike) -> str:
                                         ("reft", (path / REFT_CONFIG_NAME).is_file()),
                                         ("pyreft", is_pyreft_folder(path))) if present]
     if len(found) > 1:
-        raise AdapterFormatError(f"{path} holds more than one adapter format ({', '.join(found)}); load it with "
+        raise AdapterFormatError(f"{path} holds both {' and '.join(found)} adapter files; load it with "
                                  f"load_peft_lora, load_reft or load_pyreft explicitly")
     if found:
         return found[0]
-    raise AdapterFileNotFoundError(f"{path} is not an adapter folder: neither {PEFT_CONFIG_NAME} (PEFT LoRA), "
-                                   f"{REFT_CONFIG_NAME} (preft_jax ReFT) nor a pyreft config.json found")
+    raise AdapterFileNotFoundError(f"{path} is not an adapter folder: neither {PEFT_CONFIG_NAME} (PEFT LoRA) nor "
+                                   f"{REFT_CONFIG_NAME} (preft_jax ReFT) nor a pyreft/pyvene config.json found")
 
 
 def load_adapter(folder: str | os.PathLike, model_config: ModelConfig,
