@@ -21,7 +21,12 @@ def main(argv=None) -> int:
                     help="adapter backend (auto: pallas on TPU/GPU where the kernels lower, else xla; jnp on CPU)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights, KV cache and adapter bank dtype")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="neither read nor write the weight / compilation caches (see docs/caching.md)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
+    from preft_jax.cache.startup import fast_start
+    fast_start(use_cache=not args.no_cache)
 
     from preft_jax.adapters.bank import build_bank
     from preft_jax.adapters.reft_io import load_adapter
@@ -31,7 +36,8 @@ def main(argv=None) -> int:
     from preft_jax.sampling import SamplingParams
 
     try:
-        cfg, params, tok = load_model(args.model)
+        cfg, params, tok = load_model(args.model, cache=False if args.no_cache else None,
+                                      progress=False if args.quiet else None)
         bank = build_bank(cfg, [load_adapter(args.adapter, cfg)], dtype=args.dtype) if args.adapter else None
         runner = ModelRunner(Llama.from_params(cfg, params, dtype=args.dtype, adapter_backend=args.backend))
     except (FileNotFoundError, ValueError) as e:

@@ -29,6 +29,25 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False          # q/k/v projections have biases (Qwen2)
+
+    def to_dict(self) -> dict:
+        """JSON-compatible dict (inverse of `from_dict`)."""
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s): {sorted(unknown)}")
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if "eos_token_ids" in d:
+            d["eos_token_ids"] = tuple(int(i) for i in d["eos_token_ids"])
+        return cls(**d)
 
     @property
     def q_dim(self) -> int:

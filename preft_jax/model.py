@@ -34,6 +34,12 @@ LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up
 PROJECTION_TARGET = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w_gate": "gate", "w_up": "up",
                      "w_down": "down"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Optional q/k/v biases [n_layers, out] (ModelConfig.qkv_bias, e.g. Qwen2), added after the projection.
+BIAS_PARAMS = {"wq": "bq", "wk": "bk", "wv": "bv"}
+
+
+def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
+    return LAYER_PARAMS + (tuple(BIAS_PARAMS.values()) if cfg.qkv_bias else ())
 
 
 def model_dtype(dtype):
@@ -69,9 +75,13 @@ class LayerStack(nnx.Module):
         for name, target in PROJECTION_TARGET.items():
             d_in, d_out = dims[target]
             setattr(self, name, dense((L, d_in, d_out), d_in))
+        if cfg.qkv_bias:
+            for name, bias in BIAS_PARAMS.items():
+                setattr(self, bias, nnx.Param(jnp.zeros((L, dims[PROJECTION_TARGET[name]][1]), dtype)))
 
     def stacked(self) -> dict:
-        return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
+        names = LAYER_PARAMS + tuple(b for b in BIAS_PARAMS.values() if hasattr(self, b))
+        return {name: getattr(self, name)[...] for name in names}
 
 
 class Llama(nnx.Module):
@@ -94,7 +104,7 @@ class Llama(nnx.Module):
         """Builds the model from canonical params (see preft_jax.loading) without random init work."""
         dtype, adapter_backend = model_dtype(dtype), resolve_backend(adapter_backend)
         model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, adapter_backend=adapter_backend))
-        expected = {"embed", "final_norm", *LAYER_PARAMS} | (set() if cfg.tie_embeddings else {"lm_head"})
+        expected = {"embed", "final_norm", *layer_param_names(cfg)} | (set() if cfg.tie_embeddings else {"lm_head"})
         missing = expected - set(params)
         if missing:
             raise ValueError(f"missing model parameters: {sorted(missing)}")
@@ -106,7 +116,7 @@ class Llama(nnx.Module):
                 raise ValueError(f"parameter {name}: expected shape {tuple(ref.shape)}, got {value.shape}")
             ref.set_value(jnp.asarray(value, dtype))
 
-        for name in LAYER_PARAMS:
+        for name in layer_param_names(cfg):
             put(model.layers, name, params[name])
         put(model, "embed", params["embed"])
         put(model, "final_norm", params["final_norm"])
@@ -120,8 +130,10 @@ class Llama(nnx.Module):
         w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
-    def _project(self, x, w, name, adapters: LayerAdapters | None, ctx: AdapterContext | None):
+    def _project(self, x, w, name, adapters: LayerAdapters | None, ctx: AdapterContext | None, bias=None):
         y = jnp.einsum("btd,de->bte", x, w)
+        if bias is not None:
+            y = y + bias.astype(y.dtype)
         target = PROJECTION_TARGET[name]
         if adapters is not None and target in adapters.lora_A:
             y = y + ctx.lora(x, adapters.lora_A[target], adapters.lora_B[target]).astype(y.dtype)
@@ -132,9 +144,9 @@ class Llama(nnx.Module):
         cfg = self.cfg
         B, T, _ = h.shape
         x = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-        q = self._project(x, p["wq"], "wq", adapters, ctx).reshape(B, T, cfg.n_heads, cfg.head_dim)
-        k = self._project(x, p["wk"], "wk", adapters, ctx).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v = self._project(x, p["wv"], "wv", adapters, ctx).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        q = self._project(x, p["wq"], "wq", adapters, ctx, p.get("bq")).reshape(B, T, cfg.n_heads, cfg.head_dim)
+        k = self._project(x, p["wk"], "wk", adapters, ctx, p.get("bk")).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = self._project(x, p["wv"], "wv", adapters, ctx, p.get("bv")).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         q = apply_rope(q, positions, self._inv_freq)
         k = apply_rope(k, positions, self._inv_freq)
         attn, cache = attend(layer, q, k, v, cache)

@@ -437,6 +437,26 @@ class Tokenizer:
         return cls(backend, bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad,
                    unk_token_id=tid("unk_token"), chat_template=template, add_bos_default=add_bos)
 
+    # ------------------------------------------------------------------------------ serialization
+    def to_json(self) -> str:
+        """Everything this Tokenizer holds as one JSON string (inverse of `from_json`)."""
+        return json.dumps({
+            "format": "preft_jax.tokenizer", "version": 1, "backend": self.backend.to_str(),
+            "bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids),
+            "pad_token_id": self.pad_token_id, "unk_token_id": self.unk_token_id,
+            "chat_template": self.chat_template, "add_bos_default": self.add_bos_default,
+        })
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Tokenizer":
+        d = json.loads(text)
+        if d.get("format") != "preft_jax.tokenizer" or d.get("version") != 1:
+            raise ValueError("not a preft_jax tokenizer JSON (format/version mismatch)")
+        return cls(tokenizers.Tokenizer.from_str(d["backend"]), bos_token_id=d["bos_token_id"],
+                   eos_token_ids=d["eos_token_ids"], pad_token_id=d["pad_token_id"],
+                   unk_token_id=d["unk_token_id"], chat_template=d["chat_template"],
+                   add_bos_default=d["add_bos_default"])
+
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={self.eos_token_ids}, pad={self.pad_token_id}, chat_template={bool(self.chat_template)})")

@@ -7,6 +7,13 @@ import os
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests never touch the user's cache (~/.cache/preft_jax): load_model's weight cache goes to a temp dir.
+if "PREFT_JAX_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+    os.environ["PREFT_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="preft_jax_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["PREFT_JAX_CACHE_DIR"], True)
 
 
 def _default_gguf_or_skip() -> str:

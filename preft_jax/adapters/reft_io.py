@@ -134,21 +134,31 @@ def load_reft(folder: str | os.PathLike, model_config: ModelConfig,
 
 
 def adapter_kind(folder: str | os.PathLike) -> str:
-    """'lora' (PEFT adapter_config.json) or 'reft' (reft_config.json) for an adapter folder."""
+    """'lora' (PEFT adapter_config.json), 'reft' (preft_jax reft_config.json) or 'pyreft' (a pyreft/pyvene
+    intervention folder: config.json with representations + intervention_types) for an adapter folder."""
+    from preft_jax.adapters.pyreft_io import is_pyreft_folder
+
     path = _check_folder(folder)
-    has_lora, has_reft = (path / PEFT_CONFIG_NAME).is_file(), (path / REFT_CONFIG_NAME).is_file()
-    if has_lora and has_reft:
-        raise AdapterFormatError(f"{path} holds both {PEFT_CONFIG_NAME} and {REFT_CONFIG_NAME}; "
-                                 f"load it with load_peft_lora or load_reft explicitly")
-    if has_lora:
-        return "lora"
-    if has_reft:
-        return "reft"
+    found = [kind for kind, present in (("lora", (path / PEFT_CONFIG_NAME).is_file()),
+                                        ("reft", (path / REFT_CONFIG_NAME).is_file()),
+                                        ("pyreft", is_pyreft_folder(path))) if present]
+    if len(found) > 1:
+        raise AdapterFormatError(f"{path} holds both {' and '.join(found)} adapter files; load it with "
+                                 f"load_peft_lora, load_reft or load_pyreft explicitly")
+    if found:
+        return found[0]
     raise AdapterFileNotFoundError(f"{path} is not an adapter folder: neither {PEFT_CONFIG_NAME} (PEFT LoRA) nor "
-                                   f"{REFT_CONFIG_NAME} (ReFT) found")
+                                   f"{REFT_CONFIG_NAME} (preft_jax ReFT) nor a pyreft/pyvene config.json found")
 
 
-def load_adapter(folder: str | os.PathLike, model_config: ModelConfig) -> LoraWeights | ReftWeights:
-    """Load whichever adapter a folder holds: LoraWeights for a PEFT LoRA folder, ReftWeights for ReFT."""
+def load_adapter(folder: str | os.PathLike, model_config: ModelConfig,
+                 policy: PositionPolicy | None = None) -> LoraWeights | ReftWeights:
+    """Load whichever adapter a folder holds: LoraWeights for PEFT LoRA, ReftWeights for preft_jax ReFT or a
+    pyreft LoReFT/DiReFT folder. `policy`, when given, overrides the stored / default position policy."""
     kind = adapter_kind(folder)
-    return load_peft_lora(folder, model_config) if kind == "lora" else load_reft(folder, model_config)
+    if kind == "lora":
+        return load_peft_lora(folder, model_config, policy=policy)
+    if kind == "reft":
+        return load_reft(folder, model_config, policy=policy)
+    from preft_jax.adapters.pyreft_io import load_pyreft
+    return load_pyreft(folder, model_config, positions=policy)

@@ -13,6 +13,7 @@ import numpy as np
 
 from preft_jax.config import ModelConfig
 from preft_jax.loading.default_model import resolve_model_path
+from preft_jax.loading.progress import progress_bar
 from preft_jax.loading.weight_names import GGUF_IGNORED, GGUF_RULES, ParamAssembler
 from preft_jax.tokenizer import Tokenizer
 
@@ -129,9 +130,13 @@ def load_gguf_tokenizer(path: str | os.PathLike | None = None, *, hf_compat: boo
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(reader), hf_compat=hf_compat)
 
 
-def load_gguf(path: str | os.PathLike | None = None, dtype=np.float32
+def load_gguf(path: str | os.PathLike | None = None, dtype=np.float32, progress: bool | None = None
               ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
-    """(config, canonical params, tokenizer) from a GGUF file; `None` loads the default SmolLM2 GGUF."""
+    """(config, canonical params, tokenizer) from a GGUF file; `None` loads the default SmolLM2 GGUF.
+
+    progress: show a tqdm bar while dequantizing (None: only when stderr is a terminal). Not cached;
+    `preft_jax.loading.load_model` caches the result.
+    """
     import gguf.quants
 
     path = resolve_model_path(path)
@@ -145,9 +150,8 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=np.float32
     cfg = config_from_gguf(meta, shapes, tokenizer)
 
     asm = ParamAssembler(cfg, GGUF_RULES, GGUF_IGNORED, dtype=dtype, source=str(path))
-    for t in reader.tensors:
-        if not asm.wants(t.name):
-            continue
+    wanted = [t for t in reader.tensors if asm.wants(t.name)]
+    for t in progress_bar(wanted, progress, desc=f"dequantizing {path.name}", unit="tensor"):
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         asm.add(t.name, np.asarray(arr, dtype=np.float32).reshape(shapes[t.name]))
     params = asm.finish()

@@ -1,4 +1,4 @@
-"""Load an HF transformers Llama-family model folder into (ModelConfig, canonical params, Tokenizer).
+"""Load an HF transformers Llama / Mistral / Qwen2 model folder into (ModelConfig, canonical params, Tokenizer).
 
 The folder holds `config.json`, `model.safetensors` (or shards listed in `model.safetensors.index.json`),
 and `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`). Safetensors files are read
@@ -18,7 +18,13 @@ from preft_jax.config import ModelConfig, RopeScaling
 from preft_jax.loading.weight_names import HF_IGNORED, HF_RULES, ParamAssembler
 from preft_jax.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+# model_type -> (HF architecture class, q/k/v projections have biases)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", False),      # Llama 1/2/3.x (llama3 rope scaling), SmolLM2, ...
+    "mistral": ("MistralForCausalLM", False),  # without sliding-window attention
+    "qwen2": ("Qwen2ForCausalLM", True),       # Qwen2 / Qwen2.5 (q/k/v biases)
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -114,21 +120,31 @@ def _rope_fields(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     raise ValueError(f"Unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
 
 
+def check_architecture(hf: dict[str, Any]) -> str:
+    """The config's model_type if supported; otherwise a ValueError naming it and the supported ones."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        supported = ", ".join(f"{t} ({a})" for t, (a, _) in ARCHITECTURES.items())
+        raise ValueError(f"Unsupported model architecture: model_type={model_type!r}, "
+                         f"architectures={hf.get('architectures')}; supported model types: {supported}")
+    return model_type
+
+
 def config_from_hf(hf: dict[str, Any], tokenizer: Tokenizer | None = None,
                    has_lm_head: bool | None = None) -> ModelConfig:
-    """ModelConfig from a parsed HF `config.json` (Llama family)."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"Unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    """ModelConfig from a parsed HF `config.json` (Llama, Mistral and Qwen2 families)."""
+    model_type = check_architecture(hf)
+    qkv_bias = ARCHITECTURES[model_type][1]
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise ValueError(f"config.json sets {flag}=true; biased projections are not supported")
+            raise ValueError(f"config.json sets {flag}=true; biased {model_type} projections are not supported")
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"Unsupported hidden_act {act!r} (only silu)")
-    window = hf.get("sliding_window")
-    if window is not None and window < hf.get("max_position_embeddings", 0):
-        raise ValueError(f"Sliding-window attention (sliding_window={window}) is not supported")
+    _check_sliding_window(hf, model_type)
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"Partial rotary embeddings (partial_rotary_factor={hf['partial_rotary_factor']}) "
+                         f"are not supported")
     d = int(hf["hidden_size"])
     n_heads = int(hf["num_attention_heads"])
     n_kv = int(hf.get("num_key_value_heads") or n_heads)
@@ -154,7 +170,25 @@ def config_from_hf(hf: dict[str, Any], tokenizer: Tokenizer | None = None,
         rope_theta=theta, rms_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=tie,
         max_seq_len=int(hf.get("max_position_embeddings", 8192)), rope_scaling=scaling,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(int(i) for i in eos),
+        qkv_bias=qkv_bias,
     )
+
+
+def _check_sliding_window(hf: dict[str, Any], model_type: str) -> None:
+    """Reject configs where some layer really attends through a window shorter than the context."""
+    window = hf.get("sliding_window")
+    if window is None or window >= hf.get("max_position_embeddings", 0):
+        return
+    if model_type == "qwen2":   # Qwen2 stores a window but only uses it with use_sliding_window=true
+        layer_types = hf.get("layer_types")
+        if layer_types is not None:
+            sliding = "sliding_attention" in layer_types
+        else:
+            sliding = bool(hf.get("use_sliding_window")) and \
+                int(hf.get("max_window_layers", hf["num_hidden_layers"])) < int(hf["num_hidden_layers"])
+        if not sliding:
+            return
+    raise ValueError(f"Sliding-window attention (sliding_window={window}) is not supported")
 
 
 def load_hf_folder(folder: str | os.PathLike, dtype=np.float32
@@ -170,6 +204,7 @@ def load_hf_folder(folder: str | os.PathLike, dtype=np.float32
         raise FileNotFoundError(f"No config.json in {folder}")
     with open(cfg_path, encoding="utf-8") as f:
         hf = json.load(f)
+    check_architecture(hf)
 
     tensors = list(iter_safetensors(folder))
     names = {n for n, _ in tensors}

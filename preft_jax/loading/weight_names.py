@@ -9,6 +9,8 @@ Canonical parameters (numpy arrays, stacked over layers, "x @ W" orientation):
     wq          [L, d, n_heads*head_dim]
     wk, wv      [L, d, n_kv_heads*head_dim]
     wo          [L, n_heads*head_dim, d]
+    bq          [L, n_heads*head_dim]     only with qkv_bias (Qwen2)
+    bk, bv      [L, n_kv_heads*head_dim]  only with qkv_bias
     mlp_norm    [L, d]
     w_gate      [L, d, ffn]
     w_up        [L, d, ffn]
@@ -31,7 +33,8 @@ import numpy as np
 
 from preft_jax.config import ModelConfig
 
-LAYERED = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYERED = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv")
+QKV_BIASES = ("bq", "bk", "bv")
 GLOBAL = ("embed", "final_norm", "lm_head")
 CANONICAL_NAMES = GLOBAL + LAYERED
 
@@ -128,6 +131,9 @@ HF_RULES = _rules([
      "model.layers.{i}.self_attn.k_proj.weight"),
     (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "wv", "transpose",
      "model.layers.{i}.self_attn.v_proj.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias", "bq", "identity", "model.layers.{i}.self_attn.q_proj.bias"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "bk", "identity", "model.layers.{i}.self_attn.k_proj.bias"),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "bv", "identity", "model.layers.{i}.self_attn.v_proj.bias"),
     (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "wo", "transpose",
      "model.layers.{i}.self_attn.o_proj.weight"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "mlp_norm", "identity",
@@ -177,6 +183,8 @@ def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (d, V)
+    if cfg.qkv_bias:
+        shapes.update(bq=(L, cfg.q_dim), bk=(L, cfg.kv_dim), bv=(L, cfg.kv_dim))
     return shapes
 
 
@@ -201,15 +209,15 @@ class ParamAssembler:
         A tied model's `lm_head`/`output.weight` (some checkpoints store the duplicate) is skipped.
         """
         hit = match_weight(name, self.rules, self.ignored)
+        if hit is not None and hit[0].canonical in QKV_BIASES and not self.cfg.qkv_bias:
+            raise WeightNameError(f"{self.source}: checkpoint has bias tensor {name!r}, but this architecture's "
+                                  f"config has no q/k/v biases (qkv_bias=False)")
         return hit is not None and hit[0].canonical in self.shapes
 
     def add(self, name: str, array: np.ndarray) -> None:
-        hit = match_weight(name, self.rules, self.ignored)
-        if hit is None:
+        if not self.wants(name):                    # ignorable, or a tied model's stored lm_head copy
             return
-        rule, layer = hit
-        if rule.canonical not in self.shapes:      # tied model with a stored lm_head copy
-            return
+        rule, layer = match_weight(name, self.rules, self.ignored)
         value = TRANSFORMS[rule.transform](np.asarray(array), self.cfg)
         full = self.shapes[rule.canonical]
         expected = full[1:] if rule.canonical in LAYERED else full

@@ -1,0 +1,21 @@
+"""tqdm progress bars for slow first-run work, quiet when stderr is not a terminal."""
+from __future__ import annotations
+
+import sys
+from typing import Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+def progress_enabled(progress: bool | None) -> bool:
+    """`None` means: show a bar only when stderr is an interactive terminal."""
+    if progress is None:
+        return bool(getattr(sys.stderr, "isatty", lambda: False)())
+    return bool(progress)
+
+
+def progress_bar(items: Iterable[T], progress: bool | None, **kwargs) -> Iterable[T]:
+    if not progress_enabled(progress):
+        return items
+    from tqdm import tqdm
+    return tqdm(items, leave=False, dynamic_ncols=True, **kwargs)
