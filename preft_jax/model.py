@@ -26,7 +26,9 @@ from flax import nnx
 from preft_jax.adapters.bank import AdapterBank, LayerAdapters
 from preft_jax.adapters.context import AdapterContext, resolve_backend
 from preft_jax.config import ModelConfig
+from preft_jax import paged_kv
 from preft_jax.kv_cache import KVCache
+from preft_jax.paged_kv import PagedBatch, PagedKVCache
 from preft_jax.rope import apply_rope, inverse_frequencies
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -140,7 +142,9 @@ class Llama(nnx.Module):
         return y
 
     def _layer(self, h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache):
-        """One decoder layer. `attend(layer, q, k, v, cache) -> (out [B, T, H, hd], cache)`."""
+        """One decoder layer. `attend(layer, q, k, v, cache) -> (out [B, T, H, hd], cache)`; `layer` is
+        the scan's per-layer xs entry (the layer index, or (index, extra per-layer inputs)), and `cache`
+        any carried state; an attend may return (out, cache, y) to emit a per-layer output y."""
         cfg = self.cfg
         B, T, _ = h.shape
         x = rms_norm(h, p["attn_norm"], cfg.rms_eps)
@@ -149,7 +153,9 @@ class Llama(nnx.Module):
         v = self._project(x, p["wv"], "wv", adapters, ctx, p.get("bv")).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         q = apply_rope(q, positions, self._inv_freq)
         k = apply_rope(k, positions, self._inv_freq)
-        attn, cache = attend(layer, q, k, v, cache)
+        res = attend(layer, q, k, v, cache)
+        attn, cache = res[0], res[1]
+        y = res[2] if len(res) > 2 else None
         h = h + self._project(attn.reshape(B, T, cfg.q_dim), p["wo"], "wo", adapters, ctx)
         x = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
         gate = self._project(x, p["w_gate"], "w_gate", adapters, ctx)
@@ -158,7 +164,7 @@ class Llama(nnx.Module):
         if adapters is not None and adapters.reft_R is not None:
             # ReFT edits the residual stream after this layer (zero R = identity for other layers).
             h = ctx.reft(h, adapters.reft_R, adapters.reft_W, adapters.reft_b, reft_subtract)
-        return h, cache
+        return h, cache, y
 
     def _attention(self, q, k, v, mask):
         """q: [B, T, H, hd]; k, v: [B, S, KV, hd]; mask: bool [B, T, S] -> [B, T, H, hd]."""
@@ -172,19 +178,25 @@ class Llama(nnx.Module):
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
         return out.reshape(B, T, H, hd).astype(q.dtype)
 
-    def _scan_layers(self, h, bank: AdapterBank | None, ctx, positions, attend, cache):
-        """Scans the layer body over the stacked weights, carrying the cache (updated in place)."""
-        xs = (jnp.arange(self.cfg.n_layers), self.layers.stacked(), None if bank is None else bank.per_layer())
+    def _scan_layers(self, h, bank: AdapterBank | None, ctx, positions, attend, cache, layer_xs=None,
+                     with_ys: bool = False):
+        """Scans the layer body over the stacked weights, carrying `cache` (updated in place).
+
+        `layer_xs`: extra per-layer inputs (leading axis n_layers) handed to `attend` as
+        (layer index, slice); with_ys: also return the stacked per-layer outputs of `attend`."""
+        idx = jnp.arange(self.cfg.n_layers)
+        xs = (idx if layer_xs is None else (idx, layer_xs), self.layers.stacked(),
+              None if bank is None else bank.per_layer())
         reft_subtract = None if bank is None else bank.reft_subtract
 
         def body(carry, x):
             h, cache = carry
             layer, p, adapters = x
-            h, cache = self._layer(h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache)
-            return (h, cache), None
+            h, cache, y = self._layer(h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache)
+            return (h, cache), y
 
-        (h, cache), _ = jax.lax.scan(body, (h, cache), xs)
-        return h, cache
+        (h, cache), ys = jax.lax.scan(body, (h, cache), xs)
+        return (h, cache, ys) if with_ys else (h, cache)
 
     # ---- entry points --------------------------------------------------------------------------
     def adapter_context(self, token_slots, bank: AdapterBank | None, mode: str | None = None):
@@ -241,6 +253,40 @@ class Llama(nnx.Module):
         h = self.embed[...][tokens[:, None]].astype(self.dtype)
         h, cache = self._scan_layers(h, bank, ctx, positions[:, None], attend, cache)
         return self.logits(h[:, 0]), cache
+
+    def forward_paged(self, tokens, batch: PagedBatch, cache: PagedKVCache, bank: AdapterBank | None = None,
+                      ctx: AdapterContext | None = None):
+        """tokens int [R, C]: row r's tokens at positions batch.context_lens[r] + [0, C) (valid: the
+        first batch.chunk_lens[r]); each attends to its cached context (block table) and causally to
+        its own chunk; their K/V are written into the paged pool. Decode is C == 1.
+        Returns (hidden [R, C, d], cache)."""
+        R, C = tokens.shape
+        self._check_context(bank, ctx, R * C)
+        positions = batch.positions
+        h = self.embed[...][tokens].astype(self.dtype)
+        if batch.attention.startswith("kernel:"):
+            if C != 1:
+                raise ValueError("the paged-attention kernels decode one token per row (C == 1)")
+            platform = batch.attention.split(":", 1)[1]
+
+            def attend(lx, q, k, v, c):
+                _, (kl, vl) = lx
+                kl = paged_kv.write_layer(kl, k, batch.write_index)
+                vl = paged_kv.write_layer(vl, v, batch.write_index)
+                out = paged_kv.kernel_decode_attention(q[:, 0], kl, vl, batch.block_tables,
+                                                       batch.context_lens + batch.chunk_lens, platform)
+                return out[:, None], c, (kl, vl)
+
+            h, _, (k_new, v_new) = self._scan_layers(h, bank, ctx, positions, attend, None,
+                                                     layer_xs=(cache.k, cache.v), with_ys=True)
+            return h, PagedKVCache(k_new, v_new)
+
+        def attend(layer, q, k, v, c):
+            out = paged_kv.gather_attention(q, k, v, cache.k, cache.v, batch, layer)
+            return out, c, (k, v)
+
+        h, _, (k_new, v_new) = self._scan_layers(h, bank, ctx, positions, attend, None, with_ys=True)
+        return h, paged_kv.write_kv(cache, k_new, v_new, batch.write_index)
 
     @staticmethod
     def _check_context(bank, ctx, num_tokens):

@@ -33,7 +33,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
-            _integer(t, "stop_token_ids entry", minimum=-1)
+            _integer(t, "stop_token_ids entry", minimum=-INT32_MAX - 1)     # negative: never matches
 
 
 INT32_MAX = 2 ** 31 - 1

@@ -67,21 +67,22 @@ def _load_adapter_weights(cfg, folders: dict[str, str]) -> dict:
     return weights
 
 
-def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank, reft_rank, mode, slots,
-                  max_len, backend, prefill_batch=4, dtype="float32", max_queued=1024, request_timeout=600.0):
+def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank, reft_rank, mode, backend,
+                  dtype="float32", adapter_dir=None, host_cache_bytes=1 << 30, **engine_kw):
+    """ModelRunner + AdapterRegistry (tiers) + Engine; engine_kw are EngineConfig fields."""
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
     from serve.engine import Engine, EngineConfig
     from serve.registry import AdapterRegistry
+    max_len = engine_kw.get("max_model_len", 1024)
     if max_len > cfg.max_seq_len:
-        raise CliError(f"--max-len {max_len} exceeds the model's context {cfg.max_seq_len}")
-    if len(weights) > capacity:
-        raise CliError(f"{len(weights)} adapters given but --capacity is {capacity}")
+        raise CliError(f"--max-model-len {max_len} exceeds the model's context {cfg.max_seq_len}")
     try:
         runner = ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend))
+        registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank, dtype=runner.dtype,
+                                   adapter_dir=adapter_dir, host_cache_bytes=host_cache_bytes)
     except ValueError as e:
         raise CliError(str(e)) from None
-    registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank, dtype=runner.dtype)
     for name, w in weights.items():
         try:
             registry.load(name, w)
@@ -89,9 +90,8 @@ def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank,
             raise CliError(f"adapter {name!r} does not fit the adapter bank: {e} "
                            f"(see --lora-rank / --reft-rank)") from None
     try:
-        config = EngineConfig(n_slots=slots, max_len=max_len, mode=mode, prefill_batch=min(prefill_batch, slots),
-                              max_queued=max_queued, request_timeout=request_timeout)
-        return Engine(runner, registry, config, tokenizer)
+        engine_kw["max_prefill_seqs"] = min(engine_kw.get("max_prefill_seqs", 4), engine_kw.get("max_num_seqs", 16))
+        return Engine(runner, registry, EngineConfig(mode=mode, **engine_kw), tokenizer)
     except ValueError as e:
         raise CliError(str(e)) from None
 
@@ -122,8 +122,9 @@ def cmd_generate(args) -> int:
         raise CliError(f"prompt of {len(prompt_ids)} tokens does not fit the context {cfg.max_seq_len}")
     lora_rank, reft_rank = _ranks(weights)
     engine = _build_engine(cfg, params, tok, weights, capacity=len(weights), lora_rank=lora_rank,
-                           reft_rank=reft_rank, mode=args.mode, slots=1, max_len=max_len, backend=args.backend,
-                           dtype=args.dtype)
+                           reft_rank=reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype,
+                           max_num_seqs=1, max_prefill_seqs=1, max_model_len=max_len,
+                           max_num_batched_tokens=max(2, min(512, max_len)))
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
                         stop_token_ids=tuple(tok.eos_token_ids))
     result = engine.generate([(prompt_ids, args.use, sp)])[0]
@@ -147,10 +148,14 @@ def cmd_server(args) -> int:
         raise CliError(str(e)) from None
     cfg, params, tok = _load_model(args.model)
     weights = _load_adapter_weights(cfg, folders)
-    engine = _build_engine(cfg, params, tok, weights, capacity=args.capacity, lora_rank=args.lora_rank,
-                           reft_rank=args.reft_rank, mode=args.mode, slots=args.slots,
-                           max_len=args.max_len, backend=args.backend, prefill_batch=args.prefill_batch,
-                           dtype=args.dtype, max_queued=args.max_queued, request_timeout=args.request_timeout or None)
+    engine = _build_engine(cfg, params, tok, weights, capacity=args.max_device_adapters, lora_rank=args.lora_rank,
+                           reft_rank=args.reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype,
+                           adapter_dir=args.adapter_dir, host_cache_bytes=args.host_cache_bytes,
+                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                           max_prefill_seqs=args.max_prefill_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
+                           kv_cache_memory=args.kv_cache_memory, enable_prefix_cache=not args.no_prefix_cache,
+                           max_queued=args.max_queued, request_timeout=args.request_timeout or None)
     if not args.no_warmup:
         seconds = engine.warmup(progress=lambda msg: print(f"warmup: {msg}", file=sys.stderr, flush=True))
         print(f"warmup: done in {seconds:.1f} s", file=sys.stderr, flush=True)
@@ -197,10 +202,25 @@ def build_parser() -> argparse.ArgumentParser:
     common(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--slots", type=int, default=8, help="concurrent sequences (KV-cache slots)")
-    s.add_argument("--max-len", type=int, default=1024, help="KV-cache length per slot (prompt + completion)")
-    s.add_argument("--prefill-batch", type=int, default=4)
-    s.add_argument("--capacity", type=int, default=16, help="adapter slots (loaded at start + at run time)")
+    s.add_argument("--max-num-seqs", "--slots", dest="max_num_seqs", type=int, default=16,
+                   help="sequences running at once (decode rows)")
+    s.add_argument("--max-model-len", "--max-len", dest="max_model_len", type=int, default=1024,
+                   help="tokens per sequence (prompt + completion)")
+    s.add_argument("--max-prefill-seqs", "--prefill-batch", dest="max_prefill_seqs", type=int, default=4,
+                   help="prompts prefilled per step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="tokens per step (decode + prefill chunks); longer prompts are prefilled in chunks")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    s.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV pool size in tokens (default: max-num-seqs x max-model-len)")
+    s.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes (instead of tokens)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    s.add_argument("--max-device-adapters", "--capacity", dest="max_device_adapters", type=int, default=16,
+                   help="device adapter bank slots (PreFT holds one only during a request's prefill)")
+    s.add_argument("--adapter-dir", default=None,
+                   help="a folder of adapter folders, found by name on first use (PEFT, ReFT, pyreft, Orbax)")
+    s.add_argument("--host-cache-bytes", type=int, default=1 << 30,
+                   help="host memory for loaded adapters (LRU beyond it)")
     s.add_argument("--lora-rank", type=int, default=16, help="largest LoRA rank the bank holds")
     s.add_argument("--reft-rank", type=int, default=8, help="largest ReFT rank the bank holds")
     s.add_argument("--model-id", default=None, help="the base model's name in the API")

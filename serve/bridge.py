@@ -48,22 +48,24 @@ async def collect(engine, req, sink: AsyncSink, is_disconnected):
     """Awaits a non-streaming request's terminal event; cancels it if the client disconnects
     (checked every POLL_S seconds, whether or not tokens are arriving)."""
     checked = time.monotonic()
+    out = req.output()
     try:
         while True:
             try:
-                kind, payload = await sink.get(req.deadline, POLL_S)
+                events = out.handle(await sink.get(req.deadline, POLL_S))
             except asyncio.TimeoutError:
-                kind = payload = None
-            if kind == "done":
-                return payload
-            if kind == "error":
-                raise payload
+                events = []
+            for kind, payload in events:
+                if kind == "done":
+                    return payload
+                if kind == "error":
+                    raise payload
             if time.monotonic() - checked >= POLL_S:
                 checked = time.monotonic()
                 if await is_disconnected():
                     engine.cancel(req)
                     raise ClientGone()
     except BaseException:
-        if not req.finished:
+        if not out.done:
             engine.cancel(req)
         raise

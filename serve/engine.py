@@ -1,27 +1,31 @@
-"""Slot-based continuous batching: adapted prefill into free slots, one decode step for all slots.
+"""The serving engine: a paged KV cache, chunked prefill within a token budget, prefix caching that
+understands PreFT, tiered adapters, and a token-only step loop.
 
 Each `step()`:
-  1. retires cancelled and expired requests, then admits waiting requests into free cache slots and
-     prefills them in one batch with their adapters (prompt tokens adapted; the last prompt token's
-     logits sample the first token);
-  2. runs one decode step for every slot: in PreFT mode ("prefill") on the base weights alone
-     (`bank=None`: no adapter work at decode), in the all-token baseline ("all") with the bank
-     (per-token gathered adapters, BGMV);
-  3. retires finished requests (stop token or string, max tokens, cache full) and frees slots.
-Inactive slots are computed and ignored, so every step has the same shapes (no recompiles; prefill
-compiles once per power-of-two prompt-length bucket, all of them up front with `warmup()`).
+  1. takes new requests, ends cancelled and expired ones;
+  2. asks the scheduler (serve/scheduler.py) for this step's work: one decode token for every running
+     sequence, prefill chunks for the rest of `max_num_batched_tokens` (admitting waiting requests
+     while rows, KV blocks and device adapter slots last; preempting by recompute when the pool runs
+     out);
+  3. runs at most two jitted calls (`preft_jax.paged_step`): the prefill chunks (adapted per the
+     position policy; a row whose chunk ends its prompt samples its first token) and the decode
+     rows, in PreFT mode ("prefill") on the base weights alone, in the all-token baseline ("all")
+     with each row's adapter. Each call returns sampled token ids only;
+  4. hands the ids to the requests (("tokens", ids) events); text, stop strings and UTF-8 hold-back
+     are the consumer's (serve/output.py).
 
-Failure isolation: a request that fails its own host-side preparation or token handling fails
-alone. A failed prefill batch is retried one request at a time, so only the request that fails
-by itself is failed. A failed decode step fails every running request (it cannot be attributed),
-and never the queued ones. Whenever a failed device step may have consumed the (donated) KV cache,
-the cache is rebuilt and the requests whose rows it held are failed. Every path ends a request
-through `Request.settle()`, which releases its adapter reference exactly once; every failure is
-logged with its traceback and the request ids.
+PreFT adapters need the device only while the prompt is prefilled: a request pins a device bank
+slot when its prefill starts and unpins it when the prefill ends (mode "all" keeps it until the end).
 
-Two APIs: `generate(requests)` steps synchronously until all are done; `start()` runs the step loop
-in a background thread, and `submit()` returns a `Request` whose events (see serve/request.py) are
-put into a queue (or any object with `.put`, e.g. the server's asyncio bridge).
+Shapes are bucketed (decode: `max_num_seqs` rows x block-table width; prefill: `max_prefill_seqs`
+rows x chunk length x block-table width), every bucket compiled up front by `warmup()`.
+
+Failure isolation: a request whose own preparation or token handling fails is failed alone; a failed
+prefill call is retried one chunk at a time so only the chunk that fails by itself fails its request;
+a failed decode call fails the running requests (not attributable), never the queued ones; a failed
+call that consumed the (donated) KV pool rebuilds it and requeues the running sequences for
+recompute. Every path ends a request through `Request.settle()`, which releases its adapter
+reference once; failures are logged with tracebacks and request ids.
 """
 from __future__ import annotations
 
@@ -31,57 +35,101 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preft_jax.generation import ModelRunner, bucket_length
-from preft_jax.kv_cache import KVCache
-from preft_jax.sampling import SamplingParams, sample
+from preft_jax.generation import ModelRunner
+from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
+from preft_jax.paged_step import paged_step
+from preft_jax.sampling import SamplingParams
 from serve.errors import (DeadlineExceededError, EngineError, PromptTooLongError, QueueFullError, RequestError,
                           UnavailableError)
+from serve.kv_blocks import NULL_BLOCK, BlockPool
 from serve.metrics import EngineMetrics
 from serve.registry import AdapterRegistry
 from serve.request import GenerationRequest, Request, Result, new_request_id
+from serve.scheduler import DECODE, Chunk, Scheduler, SchedulerConfig, Sequence
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Request", "Result"]
 
 log = logging.getLogger("serve.engine")
 
-_sample = jax.jit(sample)
+
+def _pow_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= base
+    out.append(hi)
+    return sorted(set(out))
 
 
-def _pick(logits, key, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> np.ndarray:
-    """Per-row sampling (`preft_jax.sampling.sample`: greedy batches take its argmax-only path)."""
-    return np.asarray(_sample(logits, key, jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k)))
+def _bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    n_slots: int = 8
-    max_len: int = 512            # KV-cache length per slot (prompt + generated tokens)
-    mode: str = "prefill"         # "prefill" (PreFT: base decode) or "all" (all-token baseline)
-    prefill_batch: int = 4        # prompts prefilled together (padded to this many rows)
+    max_num_seqs: int = 16               # sequences running at once (decode rows)
+    max_model_len: int = 1024            # tokens per sequence: prompt + generated
+    mode: str = "prefill"                # "prefill" (PreFT: base decode) or "all" (all-token baseline)
+    max_prefill_seqs: int = 4            # prefill rows per step
+    max_num_batched_tokens: int = 256    # tokens per step: decode tokens + prefill chunk tokens
+    block_size: int = 16
+    kv_cache_tokens: int | None = None   # KV pool size in tokens (default: max_num_seqs * max_model_len)
+    kv_cache_memory: int | None = None   # ... or in bytes (K and V, every layer)
+    enable_prefix_cache: bool = True
     seed: int = 0
-    max_queued: int = 1024        # waiting requests beyond this are refused (QueueFullError, HTTP 429)
+    max_queued: int = 1024               # waiting requests beyond this are refused (HTTP 429)
     request_timeout: float | None = 600.0   # total deadline per request in seconds (queue + generation)
-    wedge_timeout: float = 60.0   # a step running longer than this makes `health()` report wedged
+    wedge_timeout: float = 60.0          # a step running longer than this makes `health()` report wedged
+    starvation_s: float = 2.0            # waiting longer than this jumps the adapter-grouping order
+    min_chunk: int = 16                  # smallest prefill chunk bucket
 
     def __post_init__(self):
         if self.mode not in ("prefill", "all"):
             raise ValueError(f"engine mode must be 'prefill' or 'all', got {self.mode!r}")
-        if self.n_slots < 1 or self.prefill_batch < 1 or self.max_len < 2:
-            raise ValueError("n_slots, prefill_batch must be >= 1 and max_len >= 2")
+        for name in ("max_num_seqs", "max_prefill_seqs", "block_size", "min_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_num_seqs + 1:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must exceed max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence decodes one token per step")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory is not None:
+            raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must be >= block_size ({self.block_size})")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.request_timeout is not None and not (math.isfinite(self.request_timeout)
                                                      and self.request_timeout > 0):
             raise ValueError(f"request_timeout must be a positive number of seconds or None, "
                              f"got {self.request_timeout}")
-        if not (math.isfinite(self.wedge_timeout) and self.wedge_timeout > 0):
-            raise ValueError(f"wedge_timeout must be a positive number of seconds, got {self.wedge_timeout}")
+        for name in ("wedge_timeout", "starvation_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v}")
+
+    def num_blocks(self, bytes_per_token: int) -> int:
+        """Blocks in the pool (block 0, reserved, included)."""
+        if self.kv_cache_memory is not None:
+            tokens = self.kv_cache_memory // bytes_per_token
+        elif self.kv_cache_tokens is not None:
+            tokens = self.kv_cache_tokens
+        else:                                  # every sequence at full length fits
+            return self.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        blocks = tokens // self.block_size
+        if blocks < 1:
+            raise ValueError(f"the KV cache holds {tokens} tokens, less than one block of {self.block_size}")
+        return blocks + 1
 
 
 def _engine_failure(what: str, req: Request) -> EngineError:
@@ -92,22 +140,27 @@ class Engine:
     def __init__(self, runner: ModelRunner, registry: AdapterRegistry, config: EngineConfig = EngineConfig(),
                  tokenizer=None):
         self.runner, self.registry, self.config, self.tokenizer = runner, registry, config, tokenizer
-        if config.max_len > runner.cfg.max_seq_len:
-            raise ValueError(f"max_len {config.max_len} exceeds the model's context {runner.cfg.max_seq_len}")
+        cfg = runner.cfg
+        if config.max_model_len > cfg.max_seq_len:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context {cfg.max_seq_len}")
         registry.set_mode(config.mode)        # the engine's mode decides which tokens adapters act on
-        n = config.n_slots
+        bs = config.block_size
+        self.num_blocks = config.num_blocks(PagedKVCache.bytes_per_token(cfg, runner.dtype))
+        self.pool = BlockPool(self.num_blocks, bs, config.enable_prefix_cache)
         self.cache = self._new_cache()
-        self._slot_req: list[Request | None] = [None] * n
-        self._last = np.zeros(n, np.int32)
-        self._pos = np.zeros(n, np.int32)
-        self._plen = np.ones(n, np.int32)
-        self._adapter = np.zeros(n, np.int32)
-        self._temp = np.zeros(n, np.float32)
-        self._top_p = np.ones(n, np.float32)
-        self._top_k = np.zeros(n, np.int32)
-        self._waiting: deque[Request] = deque()
-        self._live: set[Request] = set()             # every request not yet settled
-        self._lock = threading.Lock()
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_seqs, config.max_model_len, bs,
+            config.mode, config.starvation_s), self.pool, registry)
+        self.decode_attention = choose_attention(cfg, bs)
+        max_blocks = -(-config.max_model_len // bs)
+        self.block_buckets = _pow_buckets(1, max_blocks)               # decode: every step, fine buckets
+        self.prefill_block_buckets = _pow_buckets(1, max_blocks, 4)    # prefill context: coarser
+        self.chunk_buckets = _pow_buckets(min(config.min_chunk, config.max_num_batched_tokens),
+                                          min(config.max_num_batched_tokens, config.max_model_len))
+        self._seqs: dict[Request, Sequence] = {}
+        self._inbox: deque[Sequence] = deque()
+        self._lock = threading.Lock()            # inbox + live set (submit threads vs the engine thread)
+        self._state = threading.RLock()          # scheduler state (engine thread vs a shutdown thread)
         self._wake = threading.Event()
         self._key = jax.random.key(config.seed)
         self._thread: threading.Thread | None = None
@@ -115,6 +168,7 @@ class Engine:
         self._accepting = True
         self._step_started: float | None = None
         self._last_step_end: float | None = None
+        self._load_failures: list[tuple[Sequence, RequestError]] = []
         self.metrics = EngineMetrics()
         self.steps = 0
 
@@ -122,19 +176,18 @@ class Engine:
     def mode(self) -> str:
         return self.config.mode
 
-    def _new_cache(self) -> KVCache:
-        return KVCache.create(self.runner.cfg, self.config.n_slots, self.config.max_len, self.runner.dtype)
+    def _new_cache(self) -> PagedKVCache:
+        return PagedKVCache.create(self.runner.cfg, self.num_blocks, self.config.block_size, self.runner.dtype)
 
     # ---- submission ------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], adapter: str | None = None,
-               sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+    def submit(self, prompt_ids: Seq[int], adapter: str | None = None,
+               sampling: SamplingParams = SamplingParams(), stop: Seq[str] = (),
                events=None, request_id: str | None = None, timeout: float | None = None) -> Request:
         """Validates and queues a request. Raises RequestError subclasses (UnknownAdapterError,
-        PromptTooLongError, QueueFullError, UnavailableError, ...) before anything is queued, so
-        nothing else is affected.
+        PromptTooLongError, QueueFullError, UnavailableError, ...) before anything is queued.
 
         Stops at any of `sampling.stop_token_ids` (default: the model's EOS ids; pass (-1,) for
-        none) and, with a tokenizer, at any of the `stop` strings (the text is cut before it).
+        none) and at any of the `stop` strings (cut by the consumer, see serve/output.py).
         `timeout`: this request's total deadline in seconds (default `config.request_timeout`)."""
         prompt_ids, stop = self._check(prompt_ids, sampling, stop)
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
@@ -143,27 +196,32 @@ class Engine:
         stop_ids = tuple(sampling.stop_token_ids) or tuple(self.runner.cfg.eos_token_ids)
         with self._lock:                                  # refuse before taking an adapter reference
             self._check_capacity_locked()
-        slot = self.registry.acquire(adapter)             # raises UnknownAdapterError
-        req = Request(request_id or new_request_id(), prompt_ids, adapter, sampling, stop_ids, stop, slot,
-                      deadline=None if timeout is None else time.monotonic() + timeout)
+        ref = self.registry.acquire(adapter)              # raises UnknownAdapterError
+        if ref is not None:
+            self.registry.prepare(adapter)                # start loading it now, off the engine thread
+        req = Request(request_id or new_request_id(), prompt_ids, adapter, sampling, stop_ids, stop, ref,
+                      deadline=None if timeout is None else time.monotonic() + timeout,
+                      tokenizer=self.tokenizer, on_stop=lambda r: self.cancel(r))
         if events is not None:
             req.events = events
+        seq = Sequence(req, list(prompt_ids), len(prompt_ids))
         try:
             with self._lock:
                 self._check_capacity_locked()
-                self._waiting.append(req)
-                self._live.add(req)
+                self._inbox.append(seq)
+                self._seqs[req] = seq
         except RequestError:
-            self.registry.release(slot)
+            self.registry.release(ref)
             raise
         self.metrics.requests_submitted += 1
+        self.metrics.by_mode[self.config.mode] += 1
         self._wake.set()
         return req
 
     def _check_capacity_locked(self):
         if not self._accepting:
             raise UnavailableError("the engine is shutting down; no new requests are accepted")
-        if len(self._waiting) >= self.config.max_queued:
+        if self.queued >= self.config.max_queued:
             raise QueueFullError(f"the request queue is full ({self.config.max_queued} waiting requests); "
                                  f"retry later")
 
@@ -172,26 +230,33 @@ class Engine:
         req.cancelled = True
         self._wake.set()
 
-    def generate(self, requests: Sequence) -> list[Result]:
+    def generate(self, requests: Seq) -> list[Result]:
         """Synchronous: submits GenerationRequests (or (prompt_ids, adapter, sampling[, stop]) tuples)
         and steps until all are done. Every request is validated before any is queued."""
         if self._thread is not None:
             raise RuntimeError("engine is running in the background; use submit() + wait()")
         reqs = [r if isinstance(r, GenerationRequest) else GenerationRequest(*r) for r in requests]
         for r in reqs:       # validate all first, so a bad one leaves nothing queued
-            self._validate_only(r)
+            self._check(r.prompt_ids, r.sampling, r.stop)
+            if r.adapter is not None and r.adapter not in self.registry:
+                self.registry.acquire(r.adapter)          # raises UnknownAdapterError
         handles = [self.submit(r.prompt_ids, r.adapter, r.sampling, r.stop) for r in reqs]
+        outputs = [h.output() for h in handles]
         while any(not h.finished for h in handles):
             self.step()
-        for h in handles:
+            for h, out in zip(handles, outputs):           # consumer side: text and stop strings
+                while not h.events.empty():
+                    for kind, payload in out.handle(h.events.get_nowait()):
+                        if kind == "error":
+                            raise payload
+        for h, out in zip(handles, outputs):
+            while not h.events.empty():
+                for kind, payload in out.handle(h.events.get_nowait()):
+                    if kind == "error":
+                        raise payload
             if h.error is not None:
                 raise h.error
         return [h.result for h in handles]
-
-    def _validate_only(self, r: GenerationRequest):
-        self._check(r.prompt_ids, r.sampling, r.stop)
-        if r.adapter is not None and r.adapter not in self.registry:
-            self.registry.acquire(r.adapter)          # raises UnknownAdapterError
 
     def _check(self, prompt_ids, sampling: SamplingParams, stop):
         """Everything the engine must be able to represent, checked before the request is queued."""
@@ -208,10 +273,10 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if sampling.top_k > vocab:
             raise RequestError(f"top_k must be in [0, {vocab}] (the vocabulary size), got {sampling.top_k}", "top_k")
-        bad_stop = [t for t in sampling.stop_token_ids if t != -1 and not 0 <= t < vocab]
+        bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad_stop:
-            raise RequestError(f"stop token ids must be in [0, {vocab}) (or -1 for none), got {bad_stop}")
-        limit = self.config.max_len
+            raise RequestError(f"stop token ids must be < {vocab} (negative: none), got {bad_stop}")
+        limit = self.config.max_model_len
         if len(prompt_ids) >= limit:
             raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the context length is {limit} "
                                      f"tokens (prompt + at least 1 generated token)", "prompt")
@@ -219,6 +284,10 @@ class Engine:
             raise PromptTooLongError(f"prompt of {len(prompt_ids)} tokens + max_tokens={sampling.max_new_tokens} "
                                      f"exceeds the context length {limit}; ask for at most "
                                      f"{limit - len(prompt_ids)} tokens", "max_tokens")
+        if not self.scheduler.fits_ever(len(prompt_ids) + sampling.max_new_tokens):
+            raise PromptTooLongError(f"prompt of {len(prompt_ids)} tokens + max_tokens={sampling.max_new_tokens} "
+                                     f"can never fit the KV cache ({self.pool.capacity * self.config.block_size} "
+                                     f"tokens)", "max_tokens")
         if isinstance(stop, str):
             stop = (stop,)
         if not all(isinstance(s, str) for s in stop):
@@ -231,20 +300,20 @@ class Engine:
     # ---- state -----------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or any(r is not None for r in self._slot_req)
+        return bool(self._inbox) or bool(self.scheduler.waiting) or bool(self.scheduler.running)
 
     @property
     def active(self) -> int:
-        """Requests holding a cache slot now."""
-        return sum(r is not None for r in self._slot_req)
+        """Requests running now (prefilling or decoding)."""
+        return self.scheduler.num_running
 
     @property
     def queued(self) -> int:
-        return len(self._waiting)
+        return len(self._inbox) + self.scheduler.num_waiting
 
     def live_requests(self) -> list[Request]:
         with self._lock:
-            return list(self._live)
+            return [r for r in self._seqs if not r.finished]
 
     def health(self) -> dict:
         """The loop's liveness: wedged when its thread died or one step has run past wedge_timeout."""
@@ -258,160 +327,217 @@ class Engine:
                 "step_in_progress_s": round(step_age, 3),
                 "last_step_age_s": None if self._last_step_end is None else round(now - self._last_step_end, 3),
                 "steps": self.steps, "queued": self.queued, "max_queued": self.config.max_queued,
-                "running": self.active, "slots": self.config.n_slots,
-                "saturation": round(self.active / self.config.n_slots, 3),
-                "queue_saturation": round(self.queued / max(1, self.config.max_queued), 3)}
+                "running": self.active, "slots": self.config.max_num_seqs,
+                "saturation": round(self.active / self.config.max_num_seqs, 3),
+                "queue_saturation": round(self.queued / max(1, self.config.max_queued), 3),
+                "kv_blocks": self.pool.capacity, "kv_blocks_used": self.pool.capacity - self.pool.num_available,
+                "kv_usage": round(self.pool.usage(), 3)}
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> None:
         self._step_started = time.monotonic()
         try:
-            self._sweep()
-            self._admit()
-            if any(r is not None for r in self._slot_req):
-                self._decode()
+            with self._state:
+                self._drain_inbox()
+                self._sweep()
+                plan = self.scheduler.schedule(self._adapter_ready)
+                for seq, err in self._load_failures:
+                    self._terminate(seq.req, error=EngineError(str(err), err.status, err.code))
+                self._load_failures.clear()
+                if plan.preempted:
+                    log.info("preempted %s (KV pool exhausted); they will be recomputed",
+                             [s.req.request_id for s in plan.preempted])
+            if plan.prefill:
+                self._run_prefill(plan.prefill)
+            decode = [s for s in plan.decode if not s.req.finished and s.status == DECODE]
+            if decode:
+                self._run_decode(decode)
         finally:
             self.steps += 1
             self._last_step_end = time.monotonic()
             self._step_started = None
 
+    def _drain_inbox(self):
+        with self._lock:
+            while self._inbox:
+                self.scheduler.add(self._inbox.popleft())
+
     def _sweep(self):
         """Ends cancelled and expired requests, queued or running."""
         now = time.monotonic()
-        for req in list(self._slot_req):
-            if req is not None:
-                self._end_if_stale(req, now)
-        with self._lock:
-            stale = [r for r in self._waiting if r.cancelled or r.expired(now) or r.finished]
-            for r in stale:
-                self._waiting.remove(r)
-        for req in stale:
-            self._end_if_stale(req, now)
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            req = seq.req
+            if req.cancelled:
+                self._terminate(req, "cancelled")
+            elif req.expired(now):
+                self._terminate(req, error=DeadlineExceededError(
+                    f"request {req.request_id} exceeded its deadline; {len(req.tokens)} tokens were generated"))
 
-    def _end_if_stale(self, req: Request, now: float):
-        if req.cancelled:
-            self._terminate(req, "cancelled")
-        elif req.expired(now):
-            self._terminate(req, error=DeadlineExceededError(
-                f"request {req.request_id} exceeded its deadline; {len(req.tokens)} tokens were generated"))
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        ref = seq.ref
+        if ref is None:
+            return True
+        try:
+            return self.registry.resolve(ref) is not None
+        except RequestError as e:                       # the adapter cannot be loaded: this request fails
+            self._load_failures.append((seq, e))
+            return False
 
     def _next_key(self):
         self._key, sub = jax.random.split(self._key)
         return sub
 
-    def _admit(self):
-        free = [i for i, r in enumerate(self._slot_req) if r is None]
-        batch = []
-        with self._lock:
-            while self._waiting and len(batch) < min(len(free), self.config.prefill_batch):
-                batch.append(self._waiting.popleft())
-        if batch:
-            self._prefill(batch, free[:len(batch)])
+    def _sampling_rows(self, seqs, n):
+        temp, top_p, top_k = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32)
+        for i, s in enumerate(seqs):
+            sp = s.req.sampling
+            temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
+        return temp, top_p, top_k
 
-    def _prefill(self, batch: list[Request], slots: list[int]):
-        """Prefills `batch` into `slots`; on a device failure retries each request alone."""
-        P = self.config.prefill_batch
-        T = min(bucket_length(max(len(r.prompt_ids) for r in batch)), self.config.max_len)
-        tokens = np.zeros((P, T), np.int32)
-        lengths = np.ones(P, np.int32)
-        slot_ids = np.full(P, self.config.n_slots, np.int32)     # padding rows: out of range, dropped
-        adapter_ids = np.zeros(P, np.int32)
-        temp, top_p, top_k = np.zeros(P, np.float32), np.ones(P, np.float32), np.zeros(P, np.int32)
-        rows: list[tuple[int, Request, int]] = []
-        for req, slot in zip(batch, slots):
-            row = len(rows)
-            try:
-                tokens[row, :len(req.prompt_ids)] = req.prompt_ids
-                lengths[row], slot_ids[row], adapter_ids[row] = len(req.prompt_ids), slot, req.adapter_slot
-                temp[row], top_p[row] = req.sampling.temperature, req.sampling.top_p
-                top_k[row] = req.sampling.top_k
-            except Exception:  # noqa: BLE001 - this request's own data: fail it alone
-                log.exception("request %s: could not prepare its prefill", req.request_id)
-                tokens[row], lengths[row], slot_ids[row], adapter_ids[row] = 0, 1, self.config.n_slots, 0
-                temp[row], top_p[row], top_k[row] = 0.0, 1.0, 0
-                self._terminate(req, error=_engine_failure("preparing its prompt", req))
-                continue
-            rows.append((row, req, slot))
-        if not rows:
-            return
-        bank = self.registry.bank
+    def _row_tables(self, seqs, width):
+        bt = np.full((len(seqs), width), NULL_BLOCK, np.int32)
+        for i, s in enumerate(seqs):
+            blocks = s.blocks[:width]
+            bt[i, :len(blocks)] = blocks
+        return bt
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def _prefill_arrays(self, chunks: list[Chunk]):
+        c = self.config
+        bs, P = c.block_size, c.max_prefill_seqs
+        C = _bucket(max(ch.length for ch in chunks), self.chunk_buckets)
+        nb = _bucket(max(1, max(-(-ch.start // bs) for ch in chunks)), self.prefill_block_buckets)
+        tokens = np.zeros((P, C), np.int32)
+        ctx, clen, plen = np.zeros(P, np.int32), np.zeros(P, np.int32), np.ones(P, np.int32)
+        widx = np.full((P, C), self.num_blocks * bs, np.int32)
+        ids = np.zeros(P, np.int32)
+        bt = np.full((P, nb), NULL_BLOCK, np.int32)
+        for r, ch in enumerate(chunks):
+            s = ch.seq
+            tokens[r, :ch.length] = s.tokens[ch.start:ch.start + ch.length]
+            ctx[r], clen[r], plen[r] = ch.start, ch.length, s.plen
+            pos = np.arange(ch.start, ch.start + ch.length)
+            widx[r, :ch.length] = np.asarray(s.blocks, np.int32)[pos // bs] * bs + pos % bs
+            ids[r] = 0 if s.ref is None else s.ref.slot
+            ctx_blocks = s.blocks[:-(-ch.start // bs)]
+            bt[r, :len(ctx_blocks)] = ctx_blocks
+        batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx), "gather")
+        temp, top_p, top_k = self._sampling_rows([ch.seq for ch in chunks], P)
+        return tokens, batch, ids, plen, temp, top_p, top_k
+
+    def _call(self, tokens, batch, bank, ids, plen, temp, top_p, top_k):
+        nxt, self.cache = paged_step(self.runner.graphdef, self.runner.state, jnp.asarray(tokens), batch, self.cache,
+                                     bank, None if bank is None else jnp.asarray(ids), jnp.asarray(plen),
+                                     jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k), self._next_key())
+        return np.asarray(nxt)
+
+    def _run_prefill(self, chunks: list[Chunk]):
         try:
-            logits, self.cache = self.runner.prefill(
-                jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(slot_ids), self.cache, bank,
-                None if bank is None else jnp.asarray(adapter_ids))
-            first = _pick(logits, self._next_key(), temp, top_p, top_k)
+            arrays = self._prefill_arrays(chunks)
+        except Exception:  # noqa: BLE001 - host-side data of one of these requests: find it
+            log.exception("could not prepare prefill for %s", [ch.seq.req.request_id for ch in chunks])
+            if len(chunks) == 1:
+                self._terminate(chunks[0].seq.req, error=_engine_failure("preparing its prompt", chunks[0].seq.req))
+            else:
+                for ch in chunks:
+                    self._run_prefill([ch])
+            return
+        tokens, batch, ids, plen, temp, top_p, top_k = arrays
+        try:
+            nxt = self._call(tokens, batch, self.registry.bank, ids, plen, temp, top_p, top_k)
         except Exception:  # noqa: BLE001
-            ids = [r.request_id for _, r, _ in rows]
-            log.exception("prefill step failed for requests %s", ids)
+            ids_ = [ch.seq.req.request_id for ch in chunks]
+            log.exception("prefill step failed for requests %s", ids_)
             self.metrics.step_failures["prefill"] += 1
             self._recover_cache()
-            if len(rows) > 1:                 # attribute: each request alone
-                for _, req, slot in rows:
-                    if not req.finished:
-                        self._prefill([req], [slot])
-            else:
-                self._terminate(rows[0][1], error=_engine_failure("prefilling its prompt", rows[0][1]))
+            if len(chunks) > 1:
+                for ch in chunks:
+                    if not ch.seq.req.finished and ch.seq.num_computed == ch.start and ch.seq.blocks:
+                        self._run_prefill([ch])
+            elif not chunks[0].seq.req.finished:
+                self._terminate(chunks[0].seq.req, error=_engine_failure("prefilling its prompt", chunks[0].seq.req))
             return
-        self.metrics.prompt_tokens += int(sum(len(r.prompt_ids) for _, r, _ in rows))
-        for row, req, slot in rows:
-            if req.finished:                  # e.g. failed by a shutdown while the step ran
-                continue
-            self._slot_req[slot] = req
-            self._plen[slot] = self._pos[slot] = len(req.prompt_ids)
-            self._adapter[slot] = req.adapter_slot
-            self._temp[slot], self._top_p[slot], self._top_k[slot] = temp[row], top_p[row], top_k[row]
-            self._accept_safely(slot, int(first[row]))
+        with self._state:
+            for r, ch in enumerate(chunks):
+                seq = ch.seq
+                if seq.req.finished or seq.num_computed != ch.start:
+                    continue
+                seq.num_computed += ch.length
+                self.metrics.prompt_tokens += ch.length
+                self.scheduler.register_computed(seq)
+                if seq.num_computed == len(seq.tokens):
+                    seq.status = DECODE
+                    if self.config.mode == "prefill" and seq.ref is not None:
+                        self.registry.unpin(seq.ref)           # PreFT: the adapter's device slot is free again
+                    self._accept_safely(seq, int(nxt[r]))
 
-    def _decode(self):
-        bank = self.registry.bank if self.config.mode == "all" else None
-        active = np.array([r is not None for r in self._slot_req])
+    # ---- decode ----------------------------------------------------------------------------
+    def _run_decode(self, seqs: list[Sequence]):
+        c = self.config
+        bs, R = c.block_size, c.max_num_seqs
+        nb = _bucket(max(1, max(-(-(s.num_computed + 1) // bs) for s in seqs)), self.block_buckets)
+        tokens = np.zeros((R, 1), np.int32)
+        ctx, clen, plen = np.zeros(R, np.int32), np.zeros(R, np.int32), np.ones(R, np.int32)
+        widx = np.full((R, 1), self.num_blocks * bs, np.int32)
+        ids = np.zeros(R, np.int32)
+        for r, s in enumerate(seqs):
+            p = s.num_computed
+            tokens[r, 0] = s.tokens[p]
+            ctx[r], clen[r], plen[r] = p, 1, s.plen
+            widx[r, 0] = s.blocks[p // bs] * bs + p % bs
+            ids[r] = 0 if s.ref is None else s.ref.slot
+        bt = np.full((R, nb), NULL_BLOCK, np.int32)
+        bt[:len(seqs)] = self._row_tables(seqs, nb)
+        batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx),
+                           self.decode_attention)
+        bank = self.registry.bank if c.mode == "all" else None
+        temp, top_p, top_k = self._sampling_rows(seqs, R)
         try:
-            logits, self.cache = self.runner.decode(
-                jnp.asarray(self._last), jnp.asarray(self._pos), self.cache, bank,
-                None if bank is None else jnp.asarray(self._adapter),
-                None if bank is None else jnp.asarray(self._plen))
-            nxt = _pick(logits, self._next_key(), np.where(active, self._temp, 0.0).astype(np.float32),
-                        self._top_p, np.where(active, self._top_k, 0).astype(np.int32))
+            nxt = self._call(tokens, batch, bank, ids, plen, temp, top_p, top_k)
         except Exception:  # noqa: BLE001 - not attributable: every running request is affected
-            running = [r for r in self._slot_req if r is not None]
-            log.exception("decode step failed; failing running requests %s", [r.request_id for r in running])
+            log.exception("decode step failed; failing running requests %s", [s.req.request_id for s in seqs])
             self.metrics.step_failures["decode"] += 1
-            for req in running:
-                self._terminate(req, error=_engine_failure("decoding", req))
+            for s in seqs:
+                self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
             return
-        for slot, req in enumerate(self._slot_req):
-            if req is not None:
-                self._pos[slot] += 1
-                self._accept_safely(slot, int(nxt[slot]))
+        with self._state:
+            for r, s in enumerate(seqs):
+                if s.req.finished:
+                    continue
+                s.num_computed += 1
+                self.scheduler.register_computed(s)
+                self._accept_safely(s, int(nxt[r]))
 
     def _recover_cache(self):
-        """After a failed device step: if the donated cache was consumed, rebuild it and fail the
-        requests whose KV rows it held (their prompts would have to be recomputed)."""
+        """After a failed call: if the donated KV pool was consumed, rebuild it, forget the prefix
+        cache, and requeue every running sequence for recompute (prompt + generated tokens)."""
         try:
             lost = self.cache.k.is_deleted() or self.cache.v.is_deleted()
         except Exception:  # noqa: BLE001
             lost = True
         if not lost:
             return
-        running = [r for r in self._slot_req if r is not None]
-        if running:
-            log.error("KV cache lost in a failed step; failing requests %s", [r.request_id for r in running])
-        for req in running:
-            self._terminate(req, error=_engine_failure("running a step (KV cache lost)", req))
-        self.cache = self._new_cache()
+        with self._state:
+            running = list(self.scheduler.running)
+            log.error("KV cache lost in a failed step; requeueing %s for recompute",
+                      [s.req.request_id for s in running])
+            for s in reversed(running):
+                self.scheduler.preempt(s)
+            self.pool.reset_prefix_cache()
+            self.cache = self._new_cache()
 
-    def _accept_safely(self, slot: int, token: int):
-        req = self._slot_req[slot]
+    # ---- tokens ----------------------------------------------------------------------------
+    def _accept_safely(self, seq: Sequence, token: int):
         try:
-            self._accept(slot, token)
+            self._accept(seq, token)
         except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
-            log.exception("request %s: could not process its token", req.request_id)
-            self._terminate(req, error=_engine_failure("processing its output", req))
+            log.exception("request %s: could not process its token", seq.req.request_id)
+            self._terminate(seq.req, error=_engine_failure("processing its output", seq.req))
 
-    def _accept(self, slot: int, token: int):
-        """Records a sampled token for the request in `slot`; retires it if finished."""
-        req = self._slot_req[slot]
+    def _accept(self, seq: Sequence, token: int):
+        """Records a sampled token; retires the request when it is finished."""
+        req = seq.req
         now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now
@@ -422,95 +548,71 @@ class Engine:
         self.metrics.generated_tokens += 1
         if token in req.stop_token_ids:
             return self._terminate(req, "stop")
+        seq.tokens.append(token)
         req.tokens.append(token)
-        self._last[slot] = token
-        text_delta = ""
-        if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.tokens)
-            hit = min((i for i in (req.text.find(s) for s in req.stop_strings) if i >= 0), default=-1)
-            if hit >= 0:
-                req.text = req.text[:hit]
-                return self._terminate(req, "stop", last_token=token)
-            # hold back text that could be the start of a stop string, and a partial UTF-8 character
-            hold = max((len(s) - 1 for s in req.stop_strings), default=0)
-            safe = len(req.text) - hold
-            if req.text.endswith("\ufffd"):
-                safe = min(safe, len(req.text) - 1)
-            if safe > req.emitted_text:
-                text_delta = req.text[req.emitted_text:safe]
-                req.emitted_text = safe
-        req.emit(("delta", ([token], text_delta)))
-        if len(req.tokens) >= req.sampling.max_new_tokens:
-            return self._terminate(req, "length")
-        if self._pos[slot] + 1 >= self.config.max_len:        # the cache is full (prompt + tokens == max_len)
+        req.emit(("tokens", [token]))
+        if len(req.tokens) >= req.sampling.max_new_tokens or len(seq.tokens) >= self.config.max_model_len:
             return self._terminate(req, "length")
 
-    def _terminate(self, req: Request, reason: str | None = None, last_token: int | None = None,
-                   error: EngineError | None = None):
-        """The one way a request ends (result or error); safe to call from any thread, once wins."""
+    def _terminate(self, req: Request, reason: str | None = None, error: EngineError | None = None):
+        """The one way a request ends (finish or error); safe from any thread, the first call wins."""
         if not req.settle():
             return
-        for slot, r in enumerate(self._slot_req):
-            if r is req:
-                self._slot_req[slot] = None
-        with self._lock:
-            self._live.discard(req)
-        self.registry.release(req.adapter_slot)
+        with self._state:
+            seq = self._seqs.pop(req, None)
+            if seq is not None:
+                try:
+                    self.scheduler.remove(seq)
+                except ValueError:
+                    pass
+            with self._lock:
+                if seq is not None and seq in self._inbox:
+                    self._inbox.remove(seq)
+        self.registry.release(req.adapter_ref)
         if error is not None:
             req.error = error
             self.metrics.requests_failed[error.code] += 1
             req.emit(("error", error))
             return
-        pending = [] if last_token is None else [last_token]
-        if self.tokenizer is not None and len(req.text) > req.emitted_text:
-            req.emit(("delta", (pending, req.text[req.emitted_text:])))
-            req.emitted_text = len(req.text)
-        elif pending:
-            req.emit(("delta", (pending, "")))
-        req.result = Result(req.request_id, req.adapter, list(req.tokens),
-                            req.text if self.tokenizer is not None else None, reason, len(req.prompt_ids))
         self.metrics.requests_finished[reason] += 1
-        req.emit(("done", req.result))
+        if req.result is None:      # the engine's view; a consumer (serve/output.py) adds text and stop strings
+            req.result = Result(req.request_id, req.adapter, list(req.tokens), None, reason, len(req.prompt_ids))
+        req.emit(("finished", reason))
 
     # ---- compile everything up front -------------------------------------------------------
-    def prefill_buckets(self) -> list[int]:
-        """Every padded prompt length a prefill can use."""
-        out, n = [], 1
-        while True:
-            t = min(bucket_length(n), self.config.max_len)
-            if t not in out:
-                out.append(t)
-            if t >= self.config.max_len:
-                return out
-            n = t + 1
+    def prefill_buckets(self) -> list[tuple[int, int]]:
+        """(chunk length, block-table width) of every prefill call shape."""
+        bs = self.config.block_size
+        return [(C, nb) for C in self.chunk_buckets for nb in self.prefill_block_buckets]
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> float:
-        """Compiles every prefill bucket, the decode step and the samplers before serving, so no
-        request stalls the running streams on a compile. Returns the seconds it took."""
+        """Compiles every prefill and decode shape before serving, so no request stalls the running
+        streams on a compile. Returns the seconds it took."""
         if self.busy:
             raise RuntimeError("warmup() runs before any request is submitted")
         t0 = time.monotonic()
-        P, V = self.config.prefill_batch, self.runner.cfg.vocab_size
+        c = self.config
+        bs = c.block_size
+        drop = self.num_blocks * bs
         bank = self.registry.bank
-        buckets = self.prefill_buckets()
-        for i, T in enumerate(buckets):
+        shapes = self.prefill_buckets()
+        for i, (C, nb) in enumerate(shapes):
             if progress:
-                progress(f"compiling prefill {i + 1}/{len(buckets)} (prompt bucket {T} tokens)")
-            logits, self.cache = self.runner.prefill(
-                jnp.zeros((P, T), jnp.int32), jnp.ones(P, jnp.int32), jnp.full(P, self.config.n_slots, jnp.int32),
-                self.cache, bank, None if bank is None else jnp.zeros(P, jnp.int32))
-        if progress:
-            progress("compiling the decode step and the samplers")
-        n = self.config.n_slots
-        dbank = bank if self.config.mode == "all" else None
-        logits, self.cache = self.runner.decode(
-            jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32), self.cache, dbank,
-            None if dbank is None else jnp.zeros(n, jnp.int32), None if dbank is None else jnp.ones(n, jnp.int32))
-        for rows in sorted({P, n}):
-            z = jnp.zeros((rows, V), jnp.float32)
-            _pick(z, self._next_key(), np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32))
-            _pick(z, self._next_key(), np.ones(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32))
-        jax.block_until_ready(self.cache.k)
+                progress(f"compiling prefill {i + 1}/{len(shapes)} (chunk {C} tokens, context {nb} blocks)")
+            P = c.max_prefill_seqs
+            batch = PagedBatch(jnp.zeros((P, nb), jnp.int32), jnp.zeros(P, jnp.int32), jnp.zeros(P, jnp.int32),
+                               jnp.full((P, C), drop, jnp.int32), "gather")
+            self._call(np.zeros((P, C), np.int32), batch, bank, np.zeros(P, np.int32), np.ones(P, np.int32),
+                       *self._sampling_rows([], P))
+        dbank = bank if c.mode == "all" else None
+        R = c.max_num_seqs
+        for i, nb in enumerate(self.block_buckets):
+            if progress:
+                progress(f"compiling decode {i + 1}/{len(self.block_buckets)} (context {nb} blocks)")
+            batch = PagedBatch(jnp.zeros((R, nb), jnp.int32), jnp.zeros(R, jnp.int32), jnp.zeros(R, jnp.int32),
+                               jnp.full((R, 1), drop, jnp.int32), self.decode_attention)
+            self._call(np.zeros((R, 1), np.int32), batch, dbank, np.zeros(R, np.int32), np.ones(R, np.int32),
+                       *self._sampling_rows([], R))
         return time.monotonic() - t0
 
     # ---- background loop -------------------------------------------------------------------
@@ -537,10 +639,7 @@ class Engine:
             if self._thread.is_alive():
                 log.error("engine step still running after shutdown timeout; abandoning it")
             self._thread = None
-        with self._lock:
-            live = list(self._live)
-            self._waiting.clear()
-        for req in live:
+        for req in self.live_requests():
             self._terminate(req, error=EngineError("the server is shutting down", 503, "unavailable"))
 
     def _loop(self):
@@ -552,10 +651,12 @@ class Engine:
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - a bug outside the guarded device calls: never hang clients
-                running = [r for r in self._slot_req if r is not None]
+                running = [s.req for s in list(self.scheduler.running)]
                 log.exception("engine step failed; failing running requests %s", [r.request_id for r in running])
                 self.metrics.step_failures["other"] += 1
                 for req in running:
                     self._terminate(req, error=_engine_failure("running a step", req))
                 self._recover_cache()
                 time.sleep(0.01)
+            if self.scheduler.waiting and not self.scheduler.running and not self._inbox:
+                time.sleep(0.002)       # only waiting on adapter loads: do not spin

@@ -75,6 +75,7 @@ class EngineMetrics:
         self.step_failures: collections.Counter = collections.Counter()       # prefill / decode / other
         self._generated = 0
         self.prompt_tokens = 0
+        self.by_mode: collections.Counter = collections.Counter()          # requests per serving mode
         self.tokens_per_s = RateWindow()
         self.ttft = Histogram()
         self.inter_token = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))

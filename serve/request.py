@@ -1,11 +1,15 @@
 """A request's life in the engine: queued -> running -> exactly one terminal event.
 
-Events put into `Request.events` (a `queue.Queue` by default, or any object with `.put`, e.g. the
-server's asyncio bridge):
+The engine puts token-level events into `Request.events` (a `queue.Queue` by default, or any object
+with `.put`, e.g. the server's asyncio bridge):
 
-    ("delta", (token_ids, text))     zero or more, as tokens are produced
-    ("done", Result)                 finished: stop, length or cancelled
+    ("tokens", [token_ids])          zero or more, as tokens are produced
+    ("finished", reason)             "stop" (stop token), "length" or "cancelled"
     ("error", EngineError)           failed: engine fault, deadline, shutdown
+
+The consumer turns them into text with `serve.output.RequestOutput` (stop strings, UTF-8 hold-back);
+`wait()` and `stream()` do that for blocking callers and yield ("delta", (ids, text)) then
+("done", Result).
 
 `Request.settle()` is the single place a request becomes terminal; it returns True exactly once, so
 whoever wins (the engine thread, a shutdown, a deadline sweep) releases the adapter reference and
@@ -70,18 +74,19 @@ class Request:
     sampling: SamplingParams
     stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
-    adapter_slot: int
+    adapter_ref: object = None             # serve.registry.AdapterRef (None: the base model)
     deadline: float | None = None          # time.monotonic() by which the request must end
     events: object = dataclasses.field(default_factory=queue.Queue)   # anything with .put(event)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    emitted_text: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)    # generated ids (engine side)
     cancelled: bool = False
     result: Result | None = None
     error: EngineError | None = None
     submitted_at: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    tokenizer: object = dataclasses.field(default=None, repr=False)      # for wait() / stream()
+    on_stop: object = dataclasses.field(default=None, repr=False)        # cancels in the engine
+    _output: object = dataclasses.field(default=None, repr=False)
     _settled: bool = False
     _settle_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
@@ -113,28 +118,35 @@ class Request:
             return timeout
         return max(0.0, self.deadline - time.monotonic()) + 5.0
 
+    def output(self):
+        if self._output is None:
+            from serve.output import RequestOutput
+            self._output = RequestOutput(self, self.tokenizer, self.on_stop)
+        return self._output
+
+    def _public_events(self, timeout: float | None):
+        out = self.output()
+        while True:
+            try:
+                event = self.events.get(timeout=self._timeout(timeout))
+            except queue.Empty:
+                raise DeadlineExceededError(f"request {self.request_id} did not finish in time") from None
+            for kind, payload in out.handle(event):
+                if kind == "error":
+                    raise payload
+                yield kind, payload
+                if kind == "done":
+                    return
+
     def wait(self, timeout: float | None = None) -> Result:
         """Blocks until finished and returns the result (events: a queue.Queue). Raises EngineError
         if the request failed, DeadlineExceededError if nothing arrives in time (default: the
         request's deadline plus a margin; None without one)."""
-        while self.result is None:
-            try:
-                kind, payload = self.events.get(timeout=self._timeout(timeout))
-            except queue.Empty:
-                raise DeadlineExceededError(f"request {self.request_id} did not finish in time") from None
-            if kind == "error":
-                raise payload
+        for kind, payload in self._public_events(timeout):
+            if kind == "done":
+                return payload
         return self.result
 
     def stream(self, timeout: float | None = None):
         """Yields ("delta", (token_ids, text)) events and finally ("done", Result); timeout per event."""
-        while True:
-            try:
-                kind, payload = self.events.get(timeout=self._timeout(timeout))
-            except queue.Empty:
-                raise DeadlineExceededError(f"request {self.request_id} did not finish in time") from None
-            if kind == "error":
-                raise payload
-            yield kind, payload
-            if kind == "done":
-                return
+        yield from self._public_events(timeout)

@@ -20,6 +20,7 @@ Hardening (docs/serving.md lists every limit):
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -109,7 +110,7 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
     app.state.engine, app.state.tokenizer, app.state.model_id, app.state.config = engine, tokenizer, model_id, config
     created = int(time.time())
     default_stop = tuple(int(i) for i in getattr(tokenizer, "eos_token_ids", ()) or ()) or (-1,)
-    max_len = engine.config.max_len
+    max_len = engine.config.max_model_len
     vocab = engine.runner.cfg.vocab_size
     tok_limiter = anyio.CapacityLimiter(config.tokenizer_threads)
     max_token_bytes = getattr(tokenizer, "max_token_bytes", None)
@@ -164,8 +165,11 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles, ...)
             raise BadRequest(f"could not apply the chat template: {e}"[:500], "messages") from None
 
-    def _submit(request: Request, prompt_ids: list[int], adapter: str | None, sp: SamplingParams,
-                stop: tuple[str, ...]):
+    async def _submit(request: Request, prompt_ids: list[int], adapter: str | None, sp: SamplingParams,
+                      stop: tuple[str, ...]):
+        if adapter is not None:        # load it (disk -> host) before anything starts: errors are 4xx
+            await asyncio.wait_for(asyncio.wrap_future(engine.registry.prepare(adapter)),
+                                   engine.config.request_timeout)
         sink = AsyncSink()
         req = engine.submit(prompt_ids, adapter, sp, stop, events=sink, request_id=_rid(request))
         return req, sink
@@ -183,27 +187,29 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
     async def _stream(req, sink, make_chunk, first: list[dict], include_usage: bool):
         """SSE over the request's events: `make_chunk(text | None, finish_reason | None)` -> chunk.
         A client disconnect cancels the generator (Starlette), and `finally` cancels the request."""
+        out = req.output()
         try:
             for chunk in first:
                 yield _sse(chunk)
-            while True:
-                kind, payload = await sink.get(req.deadline)
-                if kind == "delta":
-                    if payload[1]:
-                        yield _sse(make_chunk(payload[1], None))
-                elif kind == "done":
-                    yield _sse(make_chunk(None, payload.finish_reason))
-                    if include_usage:
-                        last = make_chunk(None, None)
-                        last["choices"], last["usage"] = [], _usage(payload)
-                        yield _sse(last)
-                    break
-                else:
-                    raise payload
+            done = False
+            while not done:
+                for kind, payload in out.handle(await sink.get(req.deadline)):
+                    if kind == "delta":
+                        if payload[1]:
+                            yield _sse(make_chunk(payload[1], None))
+                    elif kind == "done":
+                        yield _sse(make_chunk(None, payload.finish_reason))
+                        if include_usage:
+                            last = make_chunk(None, None)
+                            last["choices"], last["usage"] = [], _usage(payload)
+                            yield _sse(last)
+                        done = True
+                    else:
+                        raise payload
         except EngineError as e:            # the engine failed this request: tell the client, end cleanly
             yield _sse({"error": {"message": str(e), "type": "server_error", "code": e.code}})
         finally:
-            if not req.finished:
+            if not out.done:
                 http.disconnects += 1
                 engine.cancel(req)
         yield "data: [DONE]\n\n"
@@ -236,7 +242,7 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
                                          max_len)
         sp = protocol.sampling(body, max_tokens, default_stop, vocab)
         stop = protocol.stop_strings(body)
-        req, sink = _submit(request, prompt_ids, adapter, sp, stop)
+        req, sink = await _submit(request, prompt_ids, adapter, sp, stop)
         rid, now, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
 
         def chunk(text, finish):
@@ -273,7 +279,7 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
                                          len(prompt_ids), max_len)
         sp = protocol.sampling(body, max_tokens, default_stop, vocab)
         stop = protocol.stop_strings(body)
-        req, sink = _submit(request, prompt_ids, adapter, sp, stop)
+        req, sink = await _submit(request, prompt_ids, adapter, sp, stop)
         rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
 
         def chunk(text, finish, role=False):
@@ -332,15 +338,14 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
         real, rel = resolve_adapter_path(config, path)
         t0 = time.monotonic()
         try:
-            slot = await anyio.to_thread.run_sync(engine.registry.load, name, real)
+            kind = await anyio.to_thread.run_sync(engine.registry.load, name, real)
         except AdapterLoadError as e:
             http.adapter_loads["failed"] = http.adapter_loads.get("failed", 0) + 1
             root = os.path.realpath(config.adapter_root) + os.sep
             raise AdapterLoadError(str(e).replace(real, rel).replace(root, ""), "path") from None
         http.adapter_loads["ok"] = http.adapter_loads.get("ok", 0) + 1
-        log.info("loaded adapter %r from %s in %.2f s (slot %d)", name, rel, time.monotonic() - t0, slot)
-        return {"object": "adapter", "id": name, "name": name, "kind": engine.registry.names().get(name),
-                "slot": slot, "path": rel}
+        log.info("loaded adapter %r (%s) from %s in %.2f s", name, kind, rel, time.monotonic() - t0)
+        return {"object": "adapter", "id": name, "name": name, "kind": kind, "path": rel}
 
     @app.delete("/v1/adapters/{name}")
     async def unload_adapter(name: str, request: Request):

@@ -23,35 +23,34 @@ POISON = 251            # a prompt containing this token id makes the faulty run
 NO_STOP = (-1,)
 
 
-class FaultyRunner(ModelRunner):
-    """The real runner, with injectable failures: poisoned prefills, one failing decode, a decode
-    that blocks until released, and optionally a failure that consumes the donated cache."""
+class Faults:
+    """Injectable failures around the engine's device calls: poisoned prefills, failing decodes, a
+    decode that blocks until released, and failures that consume the donated KV pool."""
 
-    def __init__(self, model):
-        super().__init__(model)
+    def __init__(self, eng):
+        self.eng, self.orig = eng, eng._call
         self.fail_decodes = 0
         self.consume_cache = False
         self.block = None          # a threading.Event: decode waits on it
+        eng._call = self
 
-    def _maybe_consume(self, cache):
+    def _fail(self, what):
         if self.consume_cache:
-            cache.k.delete()
-            cache.v.delete()
+            self.eng.cache.k.delete()
+            self.eng.cache.v.delete()
+        raise RuntimeError(f"injected {what} failure")
 
-    def prefill(self, tokens, prompt_lengths, slot_ids, cache, bank=None, adapter_ids=None):
-        if np.any(np.asarray(tokens) == POISON):
-            self._maybe_consume(cache)
-            raise RuntimeError("injected prefill failure")
-        return super().prefill(tokens, prompt_lengths, slot_ids, cache, bank, adapter_ids)
-
-    def decode(self, tokens, positions, cache, bank=None, adapter_ids=None, prompt_lengths=None):
-        if self.block is not None:
-            self.block.wait()
-        if self.fail_decodes:
-            self.fail_decodes -= 1
-            self._maybe_consume(cache)
-            raise RuntimeError("injected decode failure")
-        return super().decode(tokens, positions, cache, bank, adapter_ids, prompt_lengths)
+    def __call__(self, tokens, *args):
+        decode = tokens.shape[1] == 1
+        if not decode and np.any(np.asarray(tokens) == POISON):
+            self._fail("prefill")
+        if decode:
+            if self.block is not None:
+                self.block.wait()
+            if self.fail_decodes:
+                self.fail_decodes -= 1
+                self._fail("decode")
+        return self.orig(tokens, *args)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +59,12 @@ def model():
 
 
 def _engine(model, **kw):
-    runner = FaultyRunner(model)
     reg = AdapterRegistry(CFG, capacity=2, lora_rank=4, reft_rank=4)
     reg.load("a", random_lora(CFG, 1))
-    cfg = dict(n_slots=3, max_len=48, prefill_batch=3)
+    cfg = dict(max_num_seqs=3, max_model_len=48, max_prefill_seqs=3, max_num_batched_tokens=32, block_size=4)
     cfg.update(kw)
-    return Engine(runner, reg, EngineConfig(**cfg)), runner
+    eng = Engine(ModelRunner(model), reg, EngineConfig(**cfg))
+    return eng, Faults(eng)
 
 
 def _sp(n):
@@ -88,7 +87,7 @@ def _alone(model, prompt, adapter, n):
 def test_poisoned_prefill_fails_only_its_request(model):
     good = [[3, 4, 5], [9, 8, 7, 6]]
     want = [_alone(model, p, "a", 6) for p in good]
-    eng, runner = _engine(model)
+    eng, _ = _engine(model)
     reqs = [eng.submit(good[0], "a", _sp(6)), eng.submit([1, POISON, 2], "a", _sp(6)),
             eng.submit(good[1], "a", _sp(6))]            # all three land in one prefill batch
     _run(eng)
@@ -100,28 +99,29 @@ def test_poisoned_prefill_fails_only_its_request(model):
     assert eng.metrics.requests_failed["engine_error"] == 1
 
 
-def test_prefill_failure_that_consumes_the_cache_fails_the_rows_it_held(model):
-    eng, runner = _engine(model, prefill_batch=1)
-    runner.consume_cache = True
+def test_prefill_failure_that_consumes_the_cache_recomputes_the_running(model):
+    want = _alone(model, [3, 4, 5], "a", 20)
+    eng, faults = _engine(model, max_prefill_seqs=1)
+    faults.consume_cache = True
     running = eng.submit([3, 4, 5], "a", _sp(20))
     eng.step()
     eng.step()
-    assert not running.finished
+    assert not running.finished and len(running.tokens) == 2
     bad = eng.submit([POISON], None, _sp(3))
     after = eng.submit([7, 7], None, _sp(4))
     _run(eng)
-    assert bad.error is not None and running.error is not None      # its KV rows were lost
-    assert "KV cache lost" in str(running.error)
-    assert after.result.tokens == _alone(model, [7, 7], None, 4)     # queued work is unaffected
-    assert eng.registry.in_use("a") == 0
+    assert bad.error is not None and "prefilling" in str(bad.error)
+    assert running.result.tokens == want                # its KV was lost and recomputed, output unchanged
+    assert after.result.tokens == _alone(model, [7, 7], None, 4)
+    assert eng.scheduler.preemptions >= 1 and eng.registry.in_use("a") == 0
 
 
 def test_decode_failure_fails_running_requests_only(model):
-    eng, runner = _engine(model, n_slots=2, prefill_batch=2)
+    eng, faults = _engine(model, max_num_seqs=2, max_prefill_seqs=2)
     r1, r2 = eng.submit([3, 4], "a", _sp(8)), eng.submit([5, 6], None, _sp(8))
     eng.step()
-    waiting = eng.submit([1, 2, 3], "a", _sp(5))           # no free slot: stays queued
-    runner.fail_decodes = 1
+    waiting = eng.submit([1, 2, 3], "a", _sp(5))           # no free row: stays queued
+    faults.fail_decodes = 1
     eng.step()
     assert isinstance(r1.error, EngineError) and isinstance(r2.error, EngineError)
     _run(eng)
@@ -130,30 +130,35 @@ def test_decode_failure_fails_running_requests_only(model):
 
 
 def test_host_side_token_failure_fails_only_that_request(model):
-    want = _alone(model, [9, 9, 9], "a", 5)
+    """Token handling is per request: one that raises fails alone, and a consumer whose event sink
+    breaks (a closed event loop, ...) never reaches the engine or the other requests."""
     other = _alone(model, [1, 2, 3, 4], None, 5)
-    assert other[:2] != want[:2]
 
-    class Picky:                      # text handling raises for one request's output only
-        eos_token_ids = ()
-
-        def decode(self, ids, skip_special_tokens=True):
-            if list(ids) == want[:2]:
-                raise ValueError("injected decode error")
-            return "y" * len(ids)
+    class Broken:
+        def put(self, event):
+            raise RuntimeError("the consumer is gone")
 
     eng, _ = _engine(model)
-    eng.tokenizer = Picky()
+    accept = eng._accept
+
+    def picky(seq, token):
+        if seq.req.prompt_ids == [9, 9, 9] and len(seq.req.tokens) == 2:
+            raise ValueError("injected token-handling error")
+        return accept(seq, token)
+
+    eng._accept = picky
     r_bad = eng.submit([9, 9, 9], "a", _sp(5))
     r_ok = eng.submit([1, 2, 3, 4], None, _sp(5))
+    r_deaf = eng.submit([1, 2, 3, 4], "a", _sp(5), events=Broken())
     _run(eng)
     assert r_bad.error is not None and "processing its output" in str(r_bad.error)
     assert r_ok.result.tokens == other
+    assert r_deaf.result is not None and len(r_deaf.result.tokens) == 5
     assert eng.registry.in_use("a") == 0
 
 
 def test_deadline_and_queue_limit(model):
-    eng, _ = _engine(model, n_slots=1, prefill_batch=1, max_queued=2)
+    eng, _ = _engine(model, max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=8, max_queued=2)
     slow = eng.submit([3, 4], "a", _sp(40), timeout=0.5)
     eng.step()                                           # slow now holds the only slot
     q1 = eng.submit([5], None, _sp(2))
@@ -192,8 +197,8 @@ def test_nan_adapter_is_refused_before_the_bank(model):
 
 
 def test_shutdown_with_a_stuck_step_returns_and_fails_everything(model):
-    eng, runner = _engine(model, n_slots=1, prefill_batch=1)
-    runner.block = threading.Event()
+    eng, faults = _engine(model, max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=8)
+    faults.block = threading.Event()
     eng.start()
     stuck = eng.submit([3, 4], "a", _sp(10))
     queued = eng.submit([5, 6], None, _sp(3))
@@ -211,12 +216,12 @@ def test_shutdown_with_a_stuck_step_returns_and_fails_everything(model):
     assert eng.registry.in_use("a") == 0
     with pytest.raises(UnavailableError):
         eng.submit([1], None, _sp(1))
-    runner.block.set()                                    # let the abandoned thread finish
+    faults.block.set()                                    # let the abandoned thread finish
 
 
 def test_health_reports_a_wedged_step(model):
-    eng, runner = _engine(model, n_slots=1, prefill_batch=1, wedge_timeout=0.3)
-    runner.block = threading.Event()
+    eng, faults = _engine(model, max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=8, wedge_timeout=0.3)
+    faults.block = threading.Event()
     eng.start()
     try:
         assert not eng.health()["wedged"]
@@ -225,10 +230,10 @@ def test_health_reports_a_wedged_step(model):
         while not eng.health()["wedged"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert eng.health()["wedged"]
-        runner.block.set()
+        faults.block.set()
         r.wait(timeout=60)
         assert not eng.health()["wedged"]
     finally:
-        runner.block.set()
+        faults.block.set()
         eng.shutdown()
     jax.clear_caches()

@@ -56,7 +56,7 @@ def stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("adapters") / "lora-c"
     save_peft_lora(folder, adapters["lora-c"], cfg)
     tok = ByteTokenizer()
-    engine = Engine(runner, registry, EngineConfig(n_slots=4, max_len=64, prefill_batch=2), tok)
+    engine = Engine(runner, registry, EngineConfig(max_num_seqs=4, max_model_len=64, max_prefill_seqs=2, max_num_batched_tokens=32, block_size=8), tok)
     app = create_app(engine, tok, model_id=BASE,
                      config=ServerConfig(admin_key=ADMIN_KEY, adapter_root=str(folder.parent)))
     server = BackgroundServer(app).start()
@@ -213,7 +213,7 @@ def test_real_model_chat_and_completion(default_model):
     """SmolLM2-135M + its real tokenizer behind the server: greedy chat == ModelRunner.generate alone."""
     cfg, params, tok = default_model
     runner = ModelRunner(Llama.from_params(cfg, params))
-    engine = Engine(runner, AdapterRegistry(cfg, 0), EngineConfig(n_slots=2, max_len=128, prefill_batch=2), tok)
+    engine = Engine(runner, AdapterRegistry(cfg, 0), EngineConfig(max_num_seqs=2, max_model_len=128, max_prefill_seqs=2), tok)
     with BackgroundServer(create_app(engine, tok, model_id="smollm2")) as srv:
         try:
             c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)

@@ -136,7 +136,8 @@ def adapter_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(adapter_root, tmp_path_factory):
-    srv = Server(["--slots", "4", "--max-len", "1024", "--prefill-batch", "2", "--capacity", "4",
+    srv = Server(["--max-num-seqs", "4", "--max-model-len", "1024", "--max-prefill-seqs", "2",
+                  "--max-num-batched-tokens", "64", "--max-device-adapters", "4", "--block-size", "64",
                   "--lora-rank", "4", "--reft-rank", "4", "--adapter-root", str(adapter_root), "--admin-key", ADMIN,
                   "--adapter", f"lora-a={adapter_root / 'lora-a'}", "--adapter", f"reft-b={adapter_root / 'reft-b'}",
                   "--max-queued", "64"], tmp_path_factory.mktemp("logs") / "server.log")
@@ -388,7 +389,8 @@ def test_health_metrics_and_memory(server, alone):
 
 
 def test_queue_limit_api_key_deadline_and_sigterm(adapter_root, tmp_path):
-    srv = Server(["--slots", "1", "--max-len", "512", "--prefill-batch", "1", "--capacity", "1", "--lora-rank", "4",
+    srv = Server(["--max-num-seqs", "1", "--max-model-len", "512", "--max-prefill-seqs", "1",
+                  "--max-num-batched-tokens", "32", "--max-device-adapters", "1", "--lora-rank", "4", "--block-size", "64",
                   "--max-queued", "1", "--api-key", API, "--request-timeout", "20", "--shutdown-grace", "1"],
                  tmp_path / "server2.log")
     auth = {"Authorization": f"Bearer {API}"}

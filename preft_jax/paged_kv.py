@@ -1,0 +1,187 @@
+"""Paged KV cache: a pool of fixed-size blocks per layer, addressed through per-sequence block tables.
+
+    k, v: [n_layers, n_kv_heads, num_blocks, block_size, head_dim]
+
+(per layer the `[kv_heads, pages, page_size, head_dim]` layout of jax's Pallas paged-attention
+kernels). Block 0 is never handed out by the engine's block pool, so padding entries of block tables
+point at it and padding tokens write past the end of the pool (dropped).
+
+One step's paged work is described by a `PagedBatch` (built once per step on the host): R rows of
+C tokens each (decode: C = 1; prefill chunks: C > 1), row r's tokens sit at positions
+context_lens[r] + [0, C) and attend to its `context_lens[r]` cached tokens (named by its block
+table) plus, causally, to the chunk itself.
+
+Attention backends (`PagedBatch.attention`, static):
+* "gather" (CPU, and prefill chunks everywhere): each layer gathers the rows' context blocks straight
+  from the pool, concatenates the chunk's own new K/V, and emits the new K/V; they are written into
+  the pool once, after the layer scan (`write_kv`). Work follows the block-table width, which the
+  engine buckets to the longest live sequence.
+* "kernel:tpu" / "kernel:gpu" (decode, C == 1): each layer's pool slice is scanned through; the new
+  K/V are written into it and jax's Pallas paged-attention kernel (`ops.tpu.paged_attention` /
+  `ops.gpu.paged_attention`) reads the sequence's pages. `choose_attention` falls back to "gather"
+  for shapes the kernels cannot take.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+from preft_jax.config import ModelConfig
+
+log = logging.getLogger("preft_jax.paged_kv")
+ATTENTION_BACKENDS = ("gather", "kernel:tpu", "kernel:gpu")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKVCache:
+    k: jax.Array    # [L, KV, num_blocks, block_size, hd]
+    v: jax.Array
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> "PagedKVCache":
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError(f"a paged cache needs >= 2 blocks (block 0 is reserved) and block_size >= 1, got "
+                             f"{num_blocks}, {block_size}")
+        shape = (cfg.n_layers, cfg.n_kv_heads, num_blocks, block_size, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype=jnp.float32) -> int:
+        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("block_tables", "context_lens", "chunk_lens",
+                                                                  "write_index"),
+                   meta_fields=("attention",))
+@dataclasses.dataclass
+class PagedBatch:
+    block_tables: jax.Array     # int32 [R, nb]: the row's blocks in order (NULL_BLOCK = 0 padding)
+    context_lens: jax.Array     # int32 [R]: cached tokens before this chunk (= the chunk's first position)
+    chunk_lens: jax.Array       # int32 [R]: valid tokens of the chunk (0: padding row)
+    write_index: jax.Array      # int32 [R, C]: flat pool index block * block_size + offset; >= pool size drops
+    attention: str = "gather"
+
+    @property
+    def positions(self):
+        C = self.write_index.shape[1]
+        return self.context_lens[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+
+
+def _chunk_mask(batch: PagedBatch, C: int, S: int):
+    """bool [R, C, S + C]: context keys < context_len; chunk keys causal and valid."""
+    ctx = jnp.arange(S, dtype=jnp.int32)[None, None, :] < batch.context_lens[:, None, None]
+    i = jnp.arange(C, dtype=jnp.int32)
+    own = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < batch.chunk_lens[:, None, None])
+    ctx = jnp.broadcast_to(ctx, (ctx.shape[0], C, S))
+    return jnp.concatenate([ctx, own], axis=-1)
+
+
+def gather_attention(q, k_new, v_new, k_all, v_all, batch: PagedBatch, layer):
+    """q [R, C, H, hd]; k_new, v_new [R, C, KV, hd]; k_all, v_all the whole pool [L, KV, NB, bs, hd]
+    (only layer `layer`'s blocks named by the block tables are read) -> [R, C, H, hd].
+
+    Softmax in float32 over the row's context blocks plus the causal chunk."""
+    R, C, H, hd = q.shape
+    KV = k_new.shape[2]
+    nb = batch.block_tables.shape[1]
+    bs = k_all.shape[3]
+    kc = k_all[layer, :, batch.block_tables]                 # [R, nb, KV, bs, hd] (no transpose copy)
+    vc = v_all[layer, :, batch.block_tables]
+    groups = H // KV
+    qg = q.reshape(R, C, KV, groups, hd)
+    s_ctx = jnp.einsum("rckgh,rnkbh->rkgcnb", qg, kc.astype(q.dtype), preferred_element_type=jnp.float32)
+    s_ctx = s_ctx.reshape(R, KV, groups, C, nb * bs)
+    s_own = jnp.einsum("rckgh,rjkh->rkgcj", qg, k_new.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([s_ctx, s_own], axis=-1) * hd ** -0.5
+    mask = _chunk_mask(batch, C, nb * bs)[:, None, None]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    p_ctx = probs[..., :nb * bs].reshape(R, KV, groups, C, nb, bs).astype(v_new.dtype)
+    p_own = probs[..., nb * bs:].astype(v_new.dtype)
+    out = (jnp.einsum("rkgcnb,rnkbh->rckgh", p_ctx, vc.astype(v_new.dtype), preferred_element_type=jnp.float32)
+           + jnp.einsum("rkgcj,rjkh->rckgh", p_own, v_new, preferred_element_type=jnp.float32))
+    return out.reshape(R, C, H, hd).astype(q.dtype)
+
+
+def write_layer(k_layer, new, write_index):
+    """[KV, NB, bs, hd] pool of one layer with new [R, C, KV, hd] written at flat write_index [R, C]."""
+    KV, NB, bs, hd = k_layer.shape
+    flat = k_layer.reshape(KV, NB * bs, hd)
+    vals = jnp.moveaxis(new.astype(k_layer.dtype), 2, 0).reshape(KV, -1, hd)
+    return flat.at[:, write_index.reshape(-1)].set(vals, mode="drop").reshape(KV, NB, bs, hd)
+
+
+def write_kv(cache: PagedKVCache, new_k, new_v, write_index) -> PagedKVCache:
+    """The pool with every layer's new K/V [L, R, C, KV, hd] written at write_index [R, C] (one scatter)."""
+    L, KV, NB, bs, hd = cache.k.shape
+
+    def put(pool, new):
+        flat = pool.reshape(L, KV, NB * bs, hd)
+        vals = jnp.moveaxis(new.astype(pool.dtype), 3, 1).reshape(L, KV, -1, hd)
+        return flat.at[:, :, write_index.reshape(-1)].set(vals, mode="drop").reshape(pool.shape)
+
+    return PagedKVCache(put(cache.k, new_k), put(cache.v, new_v))
+
+
+# ------------------------------------------------------------------------------------ kernels
+def kernel_supported(cfg: ModelConfig, block_size: int, pages_per_seq: int, platform: str) -> tuple[bool, str]:
+    """Whether jax's Pallas paged-attention kernel for `platform` takes these shapes (and why not)."""
+    hd, groups = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    if platform == "tpu":
+        if hd % 128:
+            return False, f"head_dim {hd} is not a multiple of 128"
+        if block_size % 16:
+            return False, f"block_size {block_size} is not a multiple of 16"
+        return True, ""
+    if platform in ("cuda", "gpu", "rocm"):
+        if hd < 16 or hd & (hd - 1):
+            return False, f"head_dim {hd} is not a power of two >= 16"
+        if block_size < 16 or block_size & (block_size - 1):
+            return False, f"block_size {block_size} is not a power of two >= 16"
+        return True, ""
+    return False, f"no paged-attention kernel for platform {platform!r}"
+
+
+def choose_attention(cfg: ModelConfig, block_size: int, platform: str | None = None) -> str:
+    """The decode attention for `platform` (default: jax.default_backend()): the Pallas paged kernel
+    where it takes these shapes, else "gather" (with a one-time log line saying why)."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform == "cpu":
+        return "gather"
+    ok, why = kernel_supported(cfg, block_size, 0, platform)
+    if not ok:
+        log.warning("paged attention: no %s kernel for these shapes (%s); using the gather path", platform, why)
+        return "gather"
+    return "kernel:tpu" if platform == "tpu" else "kernel:gpu"
+
+
+def _pages_per_block(pages_per_seq: int, cap: int = 8) -> int:
+    return math.gcd(pages_per_seq, cap) or 1
+
+
+def kernel_decode_attention(q, k_layer, v_layer, block_tables, lengths, platform: str):
+    """q [R, H, hd] (one token per row, already in the pool); lengths = tokens to attend -> [R, H, hd]."""
+    hd = q.shape[-1]
+    qs = (q.astype(jnp.float32) * hd ** -0.5).astype(q.dtype)            # the kernels do not scale
+    ppb = _pages_per_block(block_tables.shape[1])
+    if platform == "tpu":
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+        return paged_attention(qs, k_layer, v_layer, lengths, block_tables, pages_per_compute_block=ppb)
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    groups = q.shape[1] // k_layer.shape[0]
+    return paged_attention(qs, k_layer, v_layer, block_tables, lengths, block_h=16,
+                           pages_per_compute_block=ppb, k_splits=1)

@@ -1,0 +1,63 @@
+"""Consumer-side processing of a request's token events: the engine emits token ids only; text,
+stop strings and UTF-8 hold-back happen here, in the consumer (the server's event loop, or the
+thread calling `Request.stream()`), in time linear in the output length.
+
+Engine events:  ("tokens", [ids]) ... then ("finished", reason) or ("error", EngineError)
+Public events:  ("delta", (ids, text)) ... then ("done", Result) or ("error", EngineError)
+
+A stop string reached in the text ends the request at once for the consumer (the text is cut before
+it, the tokens after the one that completed it are dropped) and cancels it in the engine, which
+stops generating within a step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from serve.detokenizer import IncrementalDetokenizer
+from serve.request import Request, Result
+
+
+class RequestOutput:
+    def __init__(self, req: Request, tokenizer, cancel: Callable[[Request], None] | None = None):
+        self.req, self.tokenizer, self.cancel = req, tokenizer, cancel
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, req.stop_strings)
+        self.tokens: list[int] = []
+        self.done = False
+
+    def handle(self, event) -> list:
+        """Public events for one engine event (none once the request is done)."""
+        if self.done:
+            return []
+        kind, payload = event
+        if kind == "tokens":
+            ids = [int(t) for t in payload]
+            if self.detok is None:
+                self.tokens += ids
+                return [("delta", (ids, ""))]
+            before = len(self.tokens)
+            self.tokens += ids
+            out = self.detok.add(ids)
+            if out.stopped:
+                keep = out.n_tokens - before                # tokens up to the one completing the stop string
+                self.tokens = self.tokens[:out.n_tokens]
+                if self.cancel is not None:
+                    self.cancel(self.req)
+                events = [("delta", (ids[:keep], out.text))] if keep or out.text else []
+                return events + [self._finish("stop")]
+            return [("delta", (ids, out.text))]
+        if kind == "finished":
+            tail = "" if self.detok is None else self.detok.flush()
+            events = [("delta", ([], tail))] if tail else []
+            return events + [self._finish(payload)]
+        if kind == "error":
+            self.done = True
+            return [("error", payload)]
+        raise ValueError(f"unknown engine event {kind!r}")
+
+    def _finish(self, reason: str):
+        self.done = True
+        text = None if self.detok is None else self.detok.text
+        result = Result(self.req.request_id, self.req.adapter, list(self.tokens), text, reason,
+                        len(self.req.prompt_ids))
+        self.req.result = result
+        return ("done", result)

@@ -1,0 +1,266 @@
+"""The paged engine's scheduler: which tokens each step computes, within a token budget.
+
+Per step (`schedule()`):
+1. every running sequence whose prompt is done decodes one token (its next position's block is
+   allocated; when the pool is exhausted the most recently admitted running sequence is preempted:
+   its blocks are freed and it waits to be recomputed - prompt and generated tokens - later, so no
+   request is lost, duplicated or corrupted);
+2. the rest of `max_num_batched_tokens` goes to prefill chunks: sequences already prefilling
+   continue, then waiting sequences are admitted while rows, blocks and device adapter slots last.
+   Long prompts are cut into chunks, so decode keeps running while they are admitted.
+
+Admission order: requests that have waited longer than `starvation_s` first (FCFS), then requests
+whose adapter is already on the device (or the base model), then the others - grouping prefills by
+adapter without starving anyone. A request whose adapter is still loading from disk never blocks the
+queue behind it.
+
+Prefix caching: on admission, the leading full blocks of a sequence's tokens are looked up by hash
+(`kv_blocks.block_hashes`): tokens up to the block's end plus, when any of those positions is
+adapted, the adapter's identity (weights digest + policy). After each step the newly completed full
+blocks are registered. The last prompt token is always computed (its logits sample the first token).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+from serve.kv_blocks import BlockPool, NoFreeBlocks, block_hashes, first_adapted_position
+from serve.registry import AdapterRegistry, NoDeviceSlot
+from serve.request import Request
+
+WAITING, PREFILL, DECODE = "waiting", "prefill", "decode"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    req: Request
+    tokens: list[int]                    # prompt + generated (engine-side, what the KV cache holds)
+    plen: int                            # prompt length (adapter positions are < plen in prefill mode)
+    status: str = WAITING
+    num_computed: int = 0                # tokens whose K/V are in the cache
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    registered: int = 0                  # leading blocks already registered in the prefix cache
+    admitted_at: int = 0                 # admission counter (preemption picks the newest)
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+    hashes: list[bytes] | None = None    # prefix hashes of full blocks (computed when admitted)
+    first_adapted: int = 1 << 62
+    preemptions: int = 0
+
+    @property
+    def ref(self):
+        return self.req.adapter_ref
+
+
+@dataclasses.dataclass
+class Chunk:
+    seq: Sequence
+    start: int                           # first position computed
+    length: int                          # tokens computed this step
+    completes_prompt: bool               # its last token's logits sample the next token
+
+
+@dataclasses.dataclass
+class StepPlan:
+    decode: list[Sequence]
+    prefill: list[Chunk]
+    preempted: list[Sequence]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_prefill_seqs: int
+    max_model_len: int
+    block_size: int
+    mode: str = "prefill"
+    starvation_s: float = 2.0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, registry: AdapterRegistry):
+        self.config, self.pool, self.registry = config, pool, registry
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []            # prefill + decode, in admission order
+        self._admissions = 0
+        self.preemptions = 0
+
+    # ---- queue -----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drops a finished / cancelled / failed sequence: frees its blocks and its device pin."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        seq.registered = 0
+        if seq.ref is not None and seq.ref.slot:
+            self.registry.unpin(seq.ref)
+
+    # ---- blocks ----------------------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, upto: int) -> int:
+        return max(0, -(-upto // self.config.block_size) - len(seq.blocks))
+
+    def _grow(self, seq: Sequence, upto: int) -> bool:
+        """Allocates blocks so positions < upto have a home; False when the pool is exhausted."""
+        need = self._blocks_needed(seq, upto)
+        if need > self.pool.num_available:
+            return False
+        seq.blocks.extend(self.pool.allocate_many(need))
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Back to the front of the queue; its tokens (prompt + generated) are recomputed later."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.status = WAITING
+        seq.hashes = None
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def _identity_and_policy(self, seq: Sequence):
+        ref = seq.ref
+        if ref is None:
+            return None, first_adapted_position(False, -1, -1, seq.plen, False)
+        pol = self.registry.policy(ref)
+        fa = first_adapted_position(pol.mode == "all", -1 if pol.first_k is None else pol.first_k,
+                                    -1 if pol.last_k is None else pol.last_k, seq.plen, True)
+        return self.registry.identity(ref), fa
+
+    def _lookup_prefix(self, seq: Sequence) -> None:
+        """Takes cached blocks for the sequence's leading full blocks (never its last token's block)."""
+        key, seq.first_adapted = self._identity_and_policy(seq)
+        bs = self.config.block_size
+        usable = (len(seq.tokens) - 1) // bs          # the last token must be computed
+        seq.hashes = block_hashes(seq.tokens, bs, seq.first_adapted, key)
+        hits = []
+        for h in seq.hashes[:usable]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        cacheable = min(usable, len(seq.hashes))
+        self.pool.count_miss(cacheable - len(hits))
+        seq.blocks = hits
+        seq.registered = len(hits)
+        seq.num_computed = len(hits) * bs
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Registers the sequence's newly completed full blocks in the prefix cache."""
+        bs = self.config.block_size
+        full = seq.num_computed // bs
+        if full <= seq.registered:
+            return
+        if seq.hashes is None or len(seq.hashes) < full:
+            key, fa = self._identity_and_policy(seq)
+            seq.first_adapted = fa
+            seq.hashes = block_hashes(seq.tokens, bs, fa, key)
+        for i in range(seq.registered, min(full, len(seq.hashes))):
+            self.pool.register(seq.blocks[i], seq.hashes[i])
+        seq.registered = min(full, len(seq.hashes))
+
+    # ---- the plan --------------------------------------------------------------------------
+    def schedule(self, adapter_ready) -> StepPlan:
+        """adapter_ready(seq) -> bool: the sequence's adapter is loaded (host tier) and can be pinned."""
+        c = self.config
+        budget = c.max_num_batched_tokens
+        preempted: list[Sequence] = []
+        decode: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status != DECODE or seq not in self.running:
+                continue
+            while not self._grow(seq, seq.num_computed + 1):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                decode.append(seq)
+        budget -= len(decode)
+        prefill: list[Chunk] = []
+        for seq in [s for s in self.running if s.status == PREFILL]:
+            if budget <= 0 or len(prefill) >= c.max_prefill_seqs:
+                break
+            chunk = self._chunk(seq, budget)
+            if chunk is None:
+                break
+            prefill.append(chunk)
+            budget -= chunk.length
+        for seq in self._admission_order(adapter_ready):
+            if budget <= 0 or len(prefill) >= c.max_prefill_seqs or len(self.running) >= c.max_num_seqs:
+                break
+            if not self._admit(seq):
+                break
+            chunk = self._chunk(seq, budget)
+            if chunk is None:                     # no block for even one token: undo, try later
+                self._unadmit(seq)
+                break
+            prefill.append(chunk)
+            budget -= chunk.length
+        return StepPlan(decode, prefill, preempted)
+
+    def _admission_order(self, adapter_ready) -> list[Sequence]:
+        now = time.monotonic()
+        ready = [s for s in self.waiting if not s.req.finished and adapter_ready(s)]
+        starving = [s for s in ready if now - s.arrived > self.config.starvation_s]
+        rest = [s for s in ready if s not in starving]
+        resident = [s for s in rest if s.ref is None or self.registry.resident(s.ref)]
+        others = [s for s in rest if s not in resident]
+        return starving + resident + others
+
+    def _admit(self, seq: Sequence) -> bool:
+        if seq.ref is not None and seq.ref.slot == 0:
+            try:
+                self.registry.pin(seq.ref)
+            except NoDeviceSlot:
+                return False
+        self._lookup_prefix(seq)
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = PREFILL
+        self._admissions += 1
+        seq.admitted_at = self._admissions
+        return True
+
+    def _unadmit(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.status = WAITING
+        seq.hashes = None
+        self.waiting.appendleft(seq)
+
+    def _chunk(self, seq: Sequence, budget: int) -> Chunk | None:
+        remaining = len(seq.tokens) - seq.num_computed
+        n = min(remaining, budget)
+        while n > 0 and not self._grow(seq, seq.num_computed + n):
+            n = min(n, (len(seq.blocks) * self.config.block_size) - seq.num_computed)
+            if n <= 0:
+                return None
+        if n <= 0:
+            return None
+        return Chunk(seq, seq.num_computed, n, seq.num_computed + n == len(seq.tokens))
+
+    def fits_ever(self, total_tokens: int) -> bool:
+        """Whether a sequence of `total_tokens` can ever be held by the pool."""
+        return -(-total_tokens // self.config.block_size) <= self.pool.capacity
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
