@@ -144,11 +144,18 @@ def adapter_kind(folder: str | os.PathLike) -> str:
         return "lora"
     if has_reft:
         return "reft"
+    from preft_jax.adapters import orbax_io
+    if orbax_io.is_orbax_checkpoint(path):          # a training run, its checkpoints folder, or one step
+        return orbax_io.checkpoint_adapter_kind(path)
     raise AdapterFileNotFoundError(f"{path} is not an adapter folder: neither {PEFT_CONFIG_NAME} (PEFT LoRA) nor "
-                                   f"{REFT_CONFIG_NAME} (ReFT) found")
+                                   f"{REFT_CONFIG_NAME} (ReFT) found, nor an Orbax training checkpoint")
 
 
 def load_adapter(folder: str | os.PathLike, model_config: ModelConfig) -> LoraWeights | ReftWeights:
-    """Load whichever adapter a folder holds: LoraWeights for a PEFT LoRA folder, ReftWeights for ReFT."""
+    """Load whichever adapter a folder holds: LoraWeights for a PEFT LoRA folder, ReftWeights for ReFT;
+    for an Orbax training run / checkpoints folder (latest step) or step folder, the trained adapter."""
+    from preft_jax.adapters import orbax_io
+    if orbax_io.is_orbax_checkpoint(folder):
+        return orbax_io.load_orbax_adapter(folder, model_config)
     kind = adapter_kind(folder)
     return load_peft_lora(folder, model_config) if kind == "lora" else load_reft(folder, model_config)
