@@ -5,7 +5,7 @@ Flags (defaults from the trainer's config class):
     adapter     --adapter {lora,reft} --rank --mode {prefill,all} --alpha --targets q,v,... --layers 0,2
                 --reft-kind {loreft,direft}
     optimizer   --lr --warmup-steps --weight-decay --grad-clip
-    loop        --steps --seed --log-every --eval-every --logit-chunk
+    loop        --steps --seed --log-every --eval-every --logit-chunk --pad-multiple
     mesh        --mesh data,fsdp,tensor            (multi-process: must use every device)
     checkpoint  --checkpoint-every --keep-checkpoints
     model       --model PATH --dtype {float32,bfloat16} --backend {auto,jnp,xla,pallas}
@@ -61,6 +61,8 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
     g.add_argument("--log-every", type=int, default=d.log_every)
     g.add_argument("--eval-every", type=int, default=d.eval_every)
     g.add_argument("--logit-chunk", type=int, default=d.logit_chunk)
+    g.add_argument("--pad-multiple", type=int, default=d.pad_multiple,
+                   help="sequences are padded to a multiple of this (fewer distinct shapes: fewer compiles)")
     g.add_argument("--mesh", default=",".join(map(str, d.mesh.shape)), help="data,fsdp,tensor")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint.every,
                    help="0: only at the end of the run")
@@ -85,7 +87,8 @@ def trainer_fields(a) -> dict:
                                   grad_clip=a.grad_clip),
         mesh=MeshConfig.parse(a.mesh),
         checkpoint=CheckpointConfig(every=a.checkpoint_every, max_to_keep=a.keep_checkpoints),
-        steps=a.steps, seed=a.seed, log_every=a.log_every, eval_every=a.eval_every, logit_chunk=a.logit_chunk)
+        steps=a.steps, seed=a.seed, log_every=a.log_every, eval_every=a.eval_every, logit_chunk=a.logit_chunk,
+        pad_multiple=a.pad_multiple)
 
 
 def model_options(a) -> ModelOptions:
@@ -98,7 +101,9 @@ def start(a) -> dist.DistributedConfig:
     dist.initialize(dcfg)
     import jax
     level = logging.INFO if jax.process_index() == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"%(asctime)s [p{jax.process_index()}] %(name)s %(message)s")
+    logging.basicConfig(level=level, format=f"%(asctime)s [p{jax.process_index()}] %(name)s %(message)s",
+                        force=True)
+    logging.getLogger("absl").setLevel(logging.WARNING)       # Orbax's per-save chatter
     return dcfg
 
 

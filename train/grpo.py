@@ -313,6 +313,7 @@ def run(argv=None) -> dict | None:
     gc = config_from_args(a)
     opts = cli.model_options(a)
     cli.start(a)
+    dist.build_mesh(gc.mesh)   # the mesh must fit the devices
     if dist.is_primary() and not (pathlib.Path(a.data) / "train.jsonl").is_file():
         write_dataset(a.data, a.n_train, 1, a.seed + 1, tasks=tuple(a.tasks.split(",")), max_ops=a.max_ops)
     dist.barrier("grpo-data")

@@ -198,6 +198,7 @@ def run(argv=None) -> dict | None:
     tc = config_from_args(a)                 # validates flags before anything starts
     opts = cli.model_options(a)
     cli.start(a)
+    dist.build_mesh(tc.mesh)   # the mesh must fit the devices
     if dist.is_primary() and not (pathlib.Path(a.data) / "train.jsonl").is_file():
         write_dataset(a.data, a.n_train, a.n_eval, a.seed)
     dist.barrier("sft-data")
