@@ -135,7 +135,11 @@ def main_guard(fn, argv=None) -> int:
     try:
         fn(argv)
     except (dist.DistributedError, ResumeError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if os.environ.get("PREFT_TRACEBACK"):
+            raise
+        specific = isinstance(e, (dist.DistributedError, ResumeError, FileNotFoundError))
+        print(f"error: {e}" + ("" if specific else f" ({type(e).__name__}; PREFT_TRACEBACK=1 shows where)"),
+              file=sys.stderr, flush=True)
         return 2
     finally:
         dist.shutdown()

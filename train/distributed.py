@@ -130,20 +130,15 @@ def _wait_for_coordinator(host: str, port: int, timeout: float):
         time.sleep(0.2)
 
 
-def _check_can_listen(host: str, port: int):
-    try:
-        infos = socket.getaddrinfo(None if host in ("0.0.0.0", "::") else host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise DistributedError(f"coordinator host {host!r} does not resolve: {e}") from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+def _check_can_listen(port: int):
+    """Process 0 hosts the coordination service on `port` (all interfaces): fail clearly if it is taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(addr)
+            s.bind(("", port))
         except OSError as e:
-            raise DistributedError(
-                f"process 0 cannot listen on the coordinator address {host}:{port} ({e}): the port is in use, "
-                f"or the host is not this machine (process 0 must run on the coordinator host)") from None
+            raise DistributedError(f"process 0 cannot listen on coordinator port {port} ({e}): another program "
+                                   f"(or an earlier run still shutting down) uses it; pick another port") from None
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -166,7 +161,7 @@ def initialize(cfg: DistributedConfig) -> None:
         return
     host, port = cfg.address()
     if cfg.process_id == 0:
-        _check_can_listen(host, port)
+        _check_can_listen(port)
     else:
         _wait_for_coordinator(host, port, cfg.initialization_timeout)
     jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,

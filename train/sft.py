@@ -97,15 +97,16 @@ class SFTTrainer(Trainer):
         return super().step(ts, batch, global_batch_size)
 
     # ---- the batch source: this process's rows of each global batch
-    def _pad_rows(self, data: Tokenized, idx, multiple_of_rows: int) -> tuple[dict, int]:
-        """(arrays of this process's rows of the global batch `idx`, global batch size)."""
+    def _pad_rows(self, data: Tokenized, idx, n_real: int) -> tuple[dict, int]:
+        """(arrays of this process's rows of the global batch `idx`, global batch size); rows at
+        global positions >= n_real are filler (masked out)."""
         c = self.config
         rows = self.local_rows(len(idx))
         mine = [int(i) for i in idx[rows]]
         longest = max(len(data.prompts[i]) + len(data.responses[i]) for i in mine)
         length = c.seq_len or bucket(dist.global_max(longest), c.pad_multiple)
         b = pad_batch([data.prompts[i] for i in mine], [data.responses[i] for i in mine], self.pad_id, length)
-        real = np.arange(rows.start, rows.stop) < multiple_of_rows
+        real = np.arange(rows.start, rows.stop) < n_real
         b.loss_mask[~real] = 0.0
         return batch_arrays(b), len(idx)
 
