@@ -90,7 +90,8 @@ SCRIPT = textwrap.dedent(r"""
     from preft_jax.model import Llama
     from reference_llama import random_params
     from train.data import pad_batch
-    from train.sft import SFTTrainer, TrainConfig
+    from train.config import AdapterSpec, MeshConfig, OptimizerConfig
+    from train.sft import SFTConfig, SFTTrainer
     from train.grpo import GRPOConfig, GRPOTrainer
 
     cfg = tiny_config()
@@ -103,8 +104,8 @@ SCRIPT = textwrap.dedent(r"""
     for adapter in ("lora", "reft"):
         res = {}
         for mesh in ((1, 1, 1), (2, 2, 2)):
-            tc = TrainConfig(adapter=adapter, rank=4, mode="prefill", steps=3, lr=1e-2, warmup_steps=0,
-                             mesh=mesh, logit_chunk=8)
+            tc = SFTConfig(adapter=AdapterSpec(kind=adapter, rank=4, mode="prefill"), steps=3,
+                           optimizer=OptimizerConfig(lr=1e-2), mesh=MeshConfig(*mesh), logit_chunk=8)
             tr = SFTTrainer(cfg, runner.graphdef, runner.state, tc)
             ts = tr.init_state()
             losses = []
@@ -134,8 +135,8 @@ SCRIPT = textwrap.dedent(r"""
     # GRPO: one update on a synthetic rollout batch, unsharded vs sharded
     g = {}
     for mesh in ((1, 1, 1), (2, 2, 2)):
-        gc = GRPOConfig(rank=4, mode="prefill", group_size=4, prompts_per_step=2, max_new_tokens=4, lr=1e-2,
-                        inner_steps=2, mesh=mesh)
+        gc = GRPOConfig(adapter=AdapterSpec(rank=4, mode="prefill"), group_size=4, prompts_per_step=2,
+                        max_new_tokens=4, optimizer=OptimizerConfig(lr=1e-2), inner_steps=2, mesh=MeshConfig(*mesh))
         tr = GRPOTrainer(cfg, runner, gc, lambda ids, a: 0.0)
         rb = {"tokens": batch.tokens, "prompt_lengths": batch.prompt_lengths, "loss_mask": batch.loss_mask,
               "advantages": np.array([1, -1, 0.5, -0.5, 2, 0, -1, -1], np.float32)}

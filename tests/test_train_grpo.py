@@ -12,6 +12,7 @@ from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams
 from reference_llama import random_params
 from train.common import token_logprobs
+from train.config import AdapterSpec, OptimizerConfig
 from train.grpo import GRPOConfig, GRPOTrainer, group_advantages, grpo_objective, k3_kl
 
 CFG = tiny_config()
@@ -97,14 +98,15 @@ def _prompts(n=8, seed=0):
     return [[int(x) for x in rng.integers(3, 200, rng.integers(3, 9))] for _ in range(n)]
 
 
-GC = dict(rank=4, steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, lr=1e-2, temperature=1.0,
-          kl_coef=0.05, inner_steps=2)
+GC = dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, optimizer=OptimizerConfig(lr=1e-2),
+          temperature=1.0, kl_coef=0.05, inner_steps=2)
 
 
 @pytest.fixture(scope="module")
 def trainers(runner):
     """One trainer per mode, shared (their jitted functions compile once)."""
-    return {m: GRPOTrainer(CFG, runner, GRPOConfig(mode=m, **GC), _reward, stop_token_ids=(2,))
+    return {m: GRPOTrainer(CFG, runner, GRPOConfig(adapter=AdapterSpec(rank=4, mode=m), **GC), _reward,
+                           stop_token_ids=(2,))
             for m in ("prefill", "all")}
 
 

@@ -14,9 +14,10 @@ from preft_jax.generation import ModelRunner, sequence_logits
 from preft_jax.kv_cache import KVCache
 from preft_jax.model import Llama
 from reference_llama import random_params
-from train.common import make_adapter_config, token_logprobs
+from train.common import token_logprobs
+from train.config import AdapterSpec, OptimizerConfig
 from train.data import Tokenized, pad_batch
-from train.sft import SFTTrainer, TrainConfig, _parse, batch_arrays, sft_loss as _sft_loss
+from train.sft import SFTConfig, SFTTrainer, _parse, batch_arrays, sft_loss as _sft_loss
 
 CFG = tiny_config()
 # jitted once per shape (eager calls would re-trace the layer scan every time)
@@ -32,8 +33,8 @@ def runner():
 
 def _random_adapter(kind, mode, seed=1, rank=4):
     """Trainable params made non-trivial (LoRA B != 0; ReFT W != R, b != 0)."""
-    acfg = make_adapter_config(kind, rank, mode, targets=("q", "k", "v", "o", "gate", "up", "down"),
-                               layers=None if kind == "lora" else (0, 2), n_layers=CFG.n_layers)
+    acfg = AdapterSpec(kind=kind, rank=rank, mode=mode, targets=("q", "k", "v", "o", "gate", "up", "down"),
+                       layers=None if kind == "lora" else (0, 2)).build(CFG)
     params = init_adapter(CFG, acfg, jax.random.key(seed))
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
@@ -108,7 +109,7 @@ def test_teacher_forcing_equals_prefill_then_decode(runner, kind, mode):
 
 
 def test_prefill_mode_adapter_index_and_gradient(runner):
-    acfg = make_adapter_config("lora", 4, "prefill", n_layers=CFG.n_layers)
+    acfg = AdapterSpec(kind="lora", rank=4, mode="prefill").build(CFG)
     params = init_adapter(CFG, acfg, jax.random.key(0))        # identity init: B = 0
     prompts, responses, b = _batch()
     bank = adapter_bank(CFG, acfg, params)
@@ -119,7 +120,7 @@ def test_prefill_mode_adapter_index_and_gradient(runner):
         assert np.all(idx[i, :len(p)] == 1)                   # prompt tokens (the last one included) adapted
         assert np.all(idx[i, len(p):] == 0)                   # response + padding on base weights
     assert np.all(b.loss_mask[idx == 1] == 0)                 # no scored token runs the adapter itself
-    all_bank = adapter_bank(CFG, dataclasses.replace(acfg, policy=make_adapter_config("lora", 4, "all").policy),
+    all_bank = adapter_bank(CFG, dataclasses.replace(acfg, policy=AdapterSpec(rank=4, mode="all").build(CFG).policy),
                             params)
     assert np.all(np.asarray(token_adapter_index(all_bank, jnp.ones(3, jnp.int32),
                                                  jnp.broadcast_to(jnp.arange(T), (3, T)),
@@ -165,8 +166,8 @@ def test_loss_decreases_on_learnable_task(runner, adapter, mode):
     prompts = [[int(x) for x in rng.integers(3, 40, rng.integers(3, 8))] for _ in range(32)]
     responses = [[p[0] + 50, p[0] + 100, 2] for p in prompts]
     data = Tokenized(prompts, responses, [0] * 32)
-    tc = TrainConfig(adapter=adapter, rank=4, mode=mode, steps=25, batch_size=16, lr=2e-2, warmup_steps=2,
-                     log_every=0, seq_len=16)
+    tc = SFTConfig(adapter=AdapterSpec(kind=adapter, rank=4, mode=mode), steps=25, batch_size=16,
+                   optimizer=OptimizerConfig(lr=2e-2, warmup_steps=2), log_every=0, seq_len=16)
     trainer = SFTTrainer(CFG, runner.graphdef, runner.state, tc)
     state, hist = trainer.fit(data, data)
     first = np.mean([h["loss"] for h in hist[:2]])
@@ -175,7 +176,8 @@ def test_loss_decreases_on_learnable_task(runner, adapter, mode):
 
 
 def test_train_step_only_touches_adapter_and_base_is_constant(runner):
-    tc = TrainConfig(rank=2, steps=3, batch_size=3, lr=1e-2, warmup_steps=0, log_every=0)
+    tc = SFTConfig(adapter=AdapterSpec(rank=2), steps=3, batch_size=3, optimizer=OptimizerConfig(lr=1e-2),
+                   log_every=0)
     trainer = SFTTrainer(CFG, runner.graphdef, runner.state, tc)
     before = jax.tree.map(np.asarray, trainer.base_state)
     ts = trainer.init_state()
@@ -191,11 +193,11 @@ def test_train_step_only_touches_adapter_and_base_is_constant(runner):
 
 
 def test_config_and_cli():
-    tc = TrainConfig()
+    tc = SFTConfig(adapter=AdapterSpec(kind="reft", layers=(0, 2)), seq_len=32)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        tc.rank = 3
-    assert TrainConfig.from_json(tc.to_json()) == tc
+        tc.adapter.rank = 3
+    assert SFTConfig.from_json(tc.to_json()) == tc
     a = _parse(["--adapter", "reft", "--rank", "4", "--mode", "all", "--steps", "3"])
     assert (a.adapter, a.rank, a.mode, a.steps) == ("reft", 4, "all", 3)
     with pytest.raises(ValueError):
-        make_adapter_config("lora", 4, "decode")
+        AdapterSpec(rank=4, mode="decode")

@@ -4,10 +4,17 @@ A checkpoint (one `ocp.CheckpointManager` step folder) holds two items:
 
 * ``state``: the `TrainState` pytree - adapter params, optimizer state, step counter;
 * ``meta``: JSON - the step, the data-iterator position (batches consumed), the trainer's config,
-  and any extra fields (e.g. GRPO reward history).
+  the identity (`preft_jax.adapters.orbax_io.checkpoint_identity`: adapter config + model
+  dimensions, which lets `preft_jax.adapters.reft_io.load_adapter` serve a checkpoint directly),
+  the topology (process count, mesh) and any extra fields (e.g. GRPO reward history).
 
 Restoring into the trainer's abstract state (shapes, dtypes and NamedShardings) resumes exactly:
 the data iterator continues at the saved position and the jitted step is the same function.
+`restore(..., expect=...)` reads the meta first and refuses (naming the mismatch) a checkpoint of
+another model, adapter or process count before anything is restored.
+
+In a multi-process run every process calls `save` / `restore` (Orbax coordinates them: each
+process writes its shards, process 0 the metadata and the JSON meta).
 
 `export_adapter` writes the trained adapter in the folder format serving loads: an HF PEFT LoRA
 folder (`save_peft_lora`) or the ReFT folder (`save_reft`), the PositionPolicy included.
@@ -16,12 +23,14 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from preft_jax.adapters.config import LoraConfig, LoraWeights, ReftConfig, ReftWeights
+from preft_jax.adapters.orbax_io import META_ITEM, STATE_ITEM
 from preft_jax.adapters.peft_io import save_peft_lora
 from preft_jax.adapters.reft_io import save_reft
 from preft_jax.adapters.trainable import adapter_weights
@@ -36,7 +45,7 @@ class Checkpointer:
         self.save_every = max(1, int(save_every))
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=False)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE_ITEM, META_ITEM))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -52,17 +61,29 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return False
         meta = {"step": int(step), "data_position": int(data_position), "config": config, **(extra or {})}
-        saved = self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                               meta=ocp.args.JsonSave(meta)), force=True)
+        saved = self.manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
+                                                                  META_ITEM: ocp.args.JsonSave(meta)}), force=True)
         self.manager.wait_until_finished()
         return bool(saved)
 
-    def restore(self, abstract_state, step: int | None = None):
-        """(state, meta) of `step` (default: the latest), restored into `abstract_state`'s structure,
-        shapes, dtypes and shardings (a pytree of jax.ShapeDtypeStruct, or of arrays)."""
+    def read_meta(self, step: int | None = None) -> dict:
+        """The JSON meta of `step` (default: the latest) without restoring the state."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        out = self.manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
+        return dict(out[META_ITEM])
+
+    def restore(self, abstract_state, step: int | None = None, expect: Callable[[dict], None] | None = None):
+        """(state, meta) of `step` (default: the latest), restored into `abstract_state`'s structure,
+        shapes, dtypes and shardings (a pytree of jax.ShapeDtypeStruct, or of arrays).
+
+        `expect(meta)` runs on the meta before the state is read; it raises to refuse the checkpoint."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        if expect is not None:
+            expect(self.read_meta(step))
 
         def abstract(x):
             if isinstance(x, jax.ShapeDtypeStruct):
@@ -70,9 +91,9 @@ class Checkpointer:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
         target = jax.tree.map(abstract, abstract_state)
-        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                                meta=ocp.args.JsonRestore()))
-        return out["state"], dict(out["meta"])
+        out = self.manager.restore(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target),
+                                                                   META_ITEM: ocp.args.JsonRestore()}))
+        return out[STATE_ITEM], dict(out[META_ITEM])
 
     def close(self):
         self.manager.wait_until_finished()
@@ -89,7 +110,8 @@ def export_adapter(folder: str | os.PathLike, model_cfg: ModelConfig, adapter_co
                    params: dict, base_model_name_or_path: str = "") -> LoraWeights | ReftWeights:
     """Writes trained adapter params as a PEFT LoRA folder or a ReFT folder; returns the canonical weights."""
     weights = adapter_weights(model_cfg, adapter_config, jax.tree.map(lambda x: np.asarray(jax.device_get(x)),
-                                                                        params))
+                                                                        params))   # host arrays (gather_to_host first
+                                                                                   # in a multi-process run)
     if isinstance(weights, LoraWeights):
         save_peft_lora(folder, weights, model_cfg, base_model_name_or_path)
     else:

@@ -5,10 +5,10 @@
   (prefill mode: prompt positions adapted, response positions on base weights attending to the
   adapted prompt's keys/values). The vocab projection is chunked over the sequence and
   rematerialized, so [B, T, V] float32 logits never exist at once.
-* `make_adapter_config`, `make_optimizer` (adamw, warmup + cosine, global-norm clipping).
 * `TrainState` (adapter params + optimizer state + step) and `ShardedSetup`: the mesh, the
   base-model state placed with `preft_jax.sharding`, and the NamedSharding trees that the jitted
-  steps use as in/out shardings.
+  steps use as in/out shardings. Batches are placed with `train.distributed.put_batch` (each
+  process contributes its rows of the global batch).
 """
 from __future__ import annotations
 
@@ -22,62 +22,9 @@ import optax
 from flax import nnx
 
 from preft_jax import sharding as shd
-from preft_jax.adapters.config import LoraConfig, PositionPolicy, ReftConfig
 from preft_jax.adapters.trainable import adapter_bank, init_adapter
 from preft_jax.config import ModelConfig
 from preft_jax.generation import sequence_hidden
-
-ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-MODES = ("prefill", "all")
-
-
-# --------------------------------------------------------------------------------- adapter config
-def make_adapter_config(adapter: str, rank: int, mode: str, alpha: float | None = None,
-                        targets=ALL_TARGETS, layers=None, reft_kind: str = "loreft",
-                        n_layers: int | None = None) -> LoraConfig | ReftConfig:
-    """LoraConfig / ReftConfig with PositionPolicy(mode). LoRA alpha defaults to 2 * rank.
-
-    ReFT `layers=None` means every layer (needs n_layers)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    policy = PositionPolicy(mode=mode)
-    if adapter == "lora":
-        return LoraConfig(rank=rank, alpha=float(2 * rank if alpha is None else alpha), targets=tuple(targets),
-                          layers=None if layers is None else tuple(layers), policy=policy)
-    if adapter == "reft":
-        if layers is None:
-            if n_layers is None:
-                raise ValueError("ReFT with layers=None needs n_layers")
-            layers = range(n_layers)
-        return ReftConfig(rank=rank, layers=tuple(layers), kind=reft_kind, policy=policy)
-    raise ValueError(f"adapter must be 'lora' or 'reft', got {adapter!r}")
-
-
-def make_optimizer(lr: float, steps: int, warmup_steps: int = 0, weight_decay: float = 0.0,
-                   grad_clip: float | None = 1.0, end_lr_ratio: float = 0.1):
-    """(optax transform, schedule): clip_by_global_norm -> adamw with linear warmup + cosine decay."""
-    warmup = max(0, min(warmup_steps, steps - 1))
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else lr, peak_value=lr, warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1), end_value=lr * end_lr_ratio)
-    parts = [] if not grad_clip else [optax.clip_by_global_norm(grad_clip)]
-    parts.append(optax.adamw(schedule, weight_decay=weight_decay))
-    return optax.chain(*parts), schedule
-
-
-def mask_layer_grads(grads: dict, adapter_config, n_layers: int) -> dict:
-    """Zeroes (with `where`, so NaN/inf too) the gradient of layers outside `adapter_config.layers`.
-
-    Those layers are masked to zero in the forward pass, but for LoReFT the mask is applied after
-    the QR orthonormalization, whose gradient at the all-zero R of an unused layer is NaN
-    (0 * NaN = NaN), which global-norm clipping would spread to every parameter."""
-    layers = adapter_config.layers
-    if layers is None:
-        return grads
-    keep = np.zeros(n_layers, bool)
-    keep[list(layers)] = True
-    keep = jnp.asarray(keep)
-    return jax.tree.map(lambda g: jnp.where(keep.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0), grads)
 
 
 # ------------------------------------------------------------------------------------- logprobs
@@ -157,8 +104,10 @@ class ShardedSetup:
     def batch_shardings(self, batch: dict):
         return shd.batch_shardings(batch, self.mesh)
 
-    def put_batch(self, batch: dict) -> dict:
-        return shd.shard_batch({k: np.asarray(v) for k, v in batch.items()}, self.mesh)
+    def put_batch(self, batch: dict, global_batch_size: int | None = None) -> dict:
+        """Global arrays split on the batch dim: `batch` is the global batch (None) or this process's rows."""
+        from train.distributed import put_batch
+        return put_batch(batch, self.mesh, global_batch_size)
 
     def jit_step(self, fn: Callable, batch_example: dict, donate: bool = True):
         """jit `fn(train_state, base_state, batch) -> (train_state, metrics)` with NamedShardings."""

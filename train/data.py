@@ -104,6 +104,42 @@ def tokenize_row(tokenizer, row: dict, system_prompt: str | None = SYSTEM_PROMPT
     return prompt, response
 
 
+class LazyTokenized:
+    """A `Tokenized`-like view of rows that tokenizes a row the first time it is read.
+
+    In a multi-process run each process reads only its rows of every batch, so it tokenizes only
+    those. `rows` is any random-access sequence of dicts (a `datasets.Dataset`, a list)."""
+
+    def __init__(self, tokenizer, rows, system_prompt: str | None = SYSTEM_PROMPT):
+        self._tok, self._rows, self._system = tokenizer, rows, system_prompt
+        self._cache: dict[int, tuple[list[int], list[int]]] = {}
+        self.prompts, self.responses = _Column(self, 0), _Column(self, 1)
+
+    def __len__(self):
+        return len(self._rows)
+
+    def pair(self, i: int) -> tuple[list[int], list[int]]:
+        i = int(i)
+        if i not in self._cache:
+            self._cache[i] = tokenize_row(self._tok, self._rows[i], self._system)
+        return self._cache[i]
+
+    def sequence(self, i: int) -> list[int]:
+        p, r = self.pair(i)
+        return p + r
+
+
+class _Column:
+    def __init__(self, owner: LazyTokenized, part: int):
+        self.owner, self.part = owner, part
+
+    def __len__(self):
+        return len(self.owner)
+
+    def __getitem__(self, i):
+        return self.owner.pair(i)[self.part]
+
+
 def tokenize_dataset(tokenizer, rows: Iterable[dict], system_prompt: str | None = SYSTEM_PROMPT,
                      max_len: int | None = None) -> Tokenized:
     """Tokenizes every row; rows longer than max_len tokens are dropped."""

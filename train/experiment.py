@@ -28,8 +28,9 @@ from preft_jax.loading import load_model
 from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams
 from train.data import encode_prompt, eval_batches, load_split, tokenize_dataset, write_dataset
+from train.config import AdapterSpec, JsonConfig, OptimizerConfig
 from train.grpo import GRPOConfig, GRPOTrainer, text_reward_fn
-from train.sft import SFTTrainer, TrainConfig
+from train.sft import SFTConfig, SFTTrainer
 from train.tasks import reward
 
 log = logging.getLogger("train.experiment")
@@ -40,32 +41,39 @@ READING_MARKER = "<!-- reading: kept when the report is regenerated -->"
 
 
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
+class ExperimentConfig(JsonConfig):
+    """The datasets, and one SFT and one GRPO config that every run varies (adapter kind, rank, mode, lr)."""
     n_train: int = 320
     n_eval: int = 48
-    seq_len: int = 96
-    sft_steps: int = 24
-    sft_batch: int = 8
-    lora_lr: float = 1e-3
-    reft_lr: float = 2e-3
-    grpo_steps: int = 16
-    grpo_prompts: int = 4
-    grpo_group: int = 4
-    grpo_new_tokens: int = 24
-    grpo_temperature: float = 0.7
-    grpo_lr: float = 1e-3
-    grpo_rank: int = 8
-    grpo_kl: float = 0.04
+    sft: SFTConfig = SFTConfig(steps=24, batch_size=8, eval_batch_size=16, seq_len=96, log_every=5,
+                               optimizer=OptimizerConfig(lr=1e-3, warmup_steps=2))
+    reft_lr: float = 2e-3                 # the LoReFT rows' lr (LoRA rows: sft.optimizer.lr)
+    grpo: GRPOConfig = GRPOConfig(adapter=AdapterSpec(kind="lora", rank=8), steps=16, prompts_per_step=4,
+                                  group_size=4, max_new_tokens=24, temperature=0.7, kl_coef=0.04,
+                                  optimizer=OptimizerConfig(lr=1e-3))
     grpo_n_train: int = 64
     grpo_n_eval: int = 32
     # extra GRPO runs as (mode, lr): prefill-only with a larger step size (its KL moves ~5x slower)
-    grpo_extra: tuple = (("prefill", 3e-3),)
-    seed: int = 0
+    grpo_extra: tuple[tuple[str, float], ...] = (("prefill", 3e-3),)
+    seed: int = 0                         # dataset generation
 
     @classmethod
     def quick(cls) -> "ExperimentConfig":
-        return cls(n_train=32, n_eval=16, sft_steps=2, grpo_steps=2, grpo_n_train=8, grpo_n_eval=8,
-                   grpo_new_tokens=8)
+        d = cls()
+        return cls(n_train=32, n_eval=16, grpo_n_train=8, grpo_n_eval=8,
+                   sft=dataclasses.replace(d.sft, steps=2, optimizer=dataclasses.replace(d.sft.optimizer,
+                                                                                         warmup_steps=1)),
+                   grpo=dataclasses.replace(d.grpo, steps=2, max_new_tokens=8))
+
+    def sft_run(self, adapter: str, rank: int, mode: str) -> SFTConfig:
+        lr = self.sft.optimizer.lr if adapter == "lora" else self.reft_lr
+        return dataclasses.replace(self.sft, adapter=dataclasses.replace(self.sft.adapter, kind=adapter, rank=rank,
+                                                                         mode=mode),
+                                   optimizer=dataclasses.replace(self.sft.optimizer, lr=lr))
+
+    def grpo_run(self, mode: str, lr: float) -> GRPOConfig:
+        return dataclasses.replace(self.grpo, adapter=dataclasses.replace(self.grpo.adapter, mode=mode),
+                                   optimizer=dataclasses.replace(self.grpo.optimizer, lr=lr))
 
 
 def greedy_accuracy(runner, tok, bank, prompts, answers, max_new_tokens) -> float:
@@ -79,7 +87,7 @@ def run(out: pathlib.Path, ec: ExperimentConfig, only: str = "all") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    results["config"] = dataclasses.asdict(ec)
+    results["config"] = ec.to_json()
     results["host"] = {"platform": platform.platform(), "devices": [str(d) for d in jax.devices()],
                        "jax": jax.__version__}
 
@@ -93,8 +101,9 @@ def run(out: pathlib.Path, ec: ExperimentConfig, only: str = "all") -> dict:
     # ------------------------------------------------------------------------------------- SFT
     if only in ("all", "sft"):
         write_dataset(out / "data", ec.n_train, ec.n_eval, ec.seed)
-        train = tokenize_dataset(tok, load_split(out / "data", "train"), max_len=ec.seq_len)
-        evald = tokenize_dataset(tok, load_split(out / "data", "eval"), max_len=ec.seq_len)
+        seq_len = ec.sft.seq_len
+        train = tokenize_dataset(tok, load_split(out / "data", "train"), max_len=seq_len)
+        evald = tokenize_dataset(tok, load_split(out / "data", "eval"), max_len=seq_len)
         results["sft_data"] = {"train": len(train), "eval": len(evald),
                                "mean_prompt_tokens": float(np.mean([len(p) for p in train.prompts])),
                                "mean_response_tokens": float(np.mean([len(r) for r in train.responses]))}
@@ -104,15 +113,13 @@ def run(out: pathlib.Path, ec: ExperimentConfig, only: str = "all") -> dict:
                 name = f"{adapter}-r{rank}-{mode}"
                 if name in sft:
                     continue
-                tc = TrainConfig(adapter=adapter, rank=rank, mode=mode, steps=ec.sft_steps, batch_size=ec.sft_batch,
-                                 lr=ec.lora_lr if adapter == "lora" else ec.reft_lr,
-                                 warmup_steps=max(1, ec.sft_steps // 10), seed=ec.seed, seq_len=ec.seq_len,
-                                 eval_batch_size=16, log_every=5)
+                tc = ec.sft_run(adapter, rank, mode)
                 t0 = time.time()
                 trainer = SFTTrainer(cfg, runner.graphdef, runner.state, tc)
                 if "base_eval_loss" not in results:
                     results["base_eval_loss"] = trainer.eval_loss(
-                        trainer.init_state().params, eval_batches(evald, 16, tok.pad_token_id, ec.seq_len))
+                        trainer.init_state().params, eval_batches(evald, tc.eval_batch_size, tok.pad_token_id,
+                                                                  seq_len))
                 state, hist = trainer.fit(train, evald, tok.pad_token_id, metrics_path=out / f"sft-{name}.jsonl")
                 n_params = int(sum(np.size(x) for x in jax.tree.leaves(state.params)))
                 sft[name] = {"adapter": adapter, "rank": rank, "mode": mode, "eval_loss": hist[-1]["eval_loss"],
@@ -132,22 +139,20 @@ def run(out: pathlib.Path, ec: ExperimentConfig, only: str = "all") -> dict:
         eanswers = [int(r["answer"]) for r in rows_eval]
         grpo = results.setdefault("grpo", {})
         if "base_greedy_acc" not in results:
-            results["base_greedy_acc"] = greedy_accuracy(runner, tok, None, eprompts, eanswers, ec.grpo_new_tokens)
-        runs = [(m, m, ec.grpo_lr) for m in MODES] + [(f"{m}-lr{lr:g}", m, lr) for m, lr in ec.grpo_extra]
+            results["base_greedy_acc"] = greedy_accuracy(runner, tok, None, eprompts, eanswers,
+                                                         ec.grpo.max_new_tokens)
+        runs = [(m, m, ec.grpo.optimizer.lr) for m in MODES] + [(f"{m}-lr{lr:g}", m, lr) for m, lr in ec.grpo_extra]
         for name, mode, lr in runs:
             if name in grpo:
                 continue
-            gc = GRPOConfig(adapter="lora", rank=ec.grpo_rank, mode=mode, steps=ec.grpo_steps,
-                            prompts_per_step=ec.grpo_prompts, group_size=ec.grpo_group,
-                            max_new_tokens=ec.grpo_new_tokens, temperature=ec.grpo_temperature, lr=lr,
-                            kl_coef=ec.grpo_kl, seed=ec.seed)
+            gc = ec.grpo_run(mode, lr)
             t0 = time.time()
             trainer = GRPOTrainer(cfg, runner, gc, text_reward_fn(tok), tok.eos_token_ids, tok.pad_token_id,
                                   decode=tok.decode)
             state, hist = trainer.fit(prompts, answers, metrics_path=out / f"grpo-{name}.jsonl")
             from preft_jax.adapters.trainable import adapter_bank
             acc = greedy_accuracy(trainer.runner, tok, adapter_bank(cfg, trainer.adapter_config, state.params),
-                                  eprompts, eanswers, ec.grpo_new_tokens)
+                                  eprompts, eanswers, gc.max_new_tokens)
             grpo[name] = {"mode": mode, "lr": lr, "reward": [h["reward_mean"] for h in hist],
                           "kl": [h["kl"] for h in hist], "response_len": [h["response_len"] for h in hist],
                           "greedy_acc_after": acc, "seconds": time.time() - t0}
@@ -166,6 +171,7 @@ def _fmt(x, nd=4):
 
 def report(results: dict, command: str) -> str:
     ec = results["config"]
+    sft, grpo = ec["sft"], ec["grpo"]
     lines = ["# Experiments: prefill-only (PreFT) vs all-token adapters", "",
              "Generated by `train/experiment.py` on " + results["host"]["platform"] + f" ({len(results['host']['devices'])} "
              f"CPU device(s), jax {results['host']['jax']}). Model: the embedded SmolLM2-135M-Instruct "
@@ -175,9 +181,9 @@ def report(results: dict, command: str) -> str:
         lines += ["## SFT: response-token eval loss", "",
                   f"Generated arithmetic + word problems (`train.tasks`), {d.get('train')} train / {d.get('eval')} eval "
                   f"examples (chat template; mean {d.get('mean_prompt_tokens', 0):.1f} prompt and "
-                  f"{d.get('mean_response_tokens', 0):.1f} response tokens), padded to {ec['seq_len']}. "
-                  f"{ec['sft_steps']} steps of batch {ec['sft_batch']} (AdamW, warmup + cosine, clip 1.0; LoRA lr "
-                  f"{ec['lora_lr']}, alpha = 2 * rank, targets q,k,v,o,gate,up,down in all 30 layers; LoReFT lr "
+                  f"{d.get('mean_response_tokens', 0):.1f} response tokens), padded to {sft['seq_len']}. "
+                  f"{sft['steps']} steps of batch {sft['batch_size']} (AdamW, warmup + cosine, clip 1.0; LoRA lr "
+                  f"{sft['optimizer']['lr']}, alpha = 2 * rank, targets q,k,v,o,gate,up,down in all 30 layers; LoReFT lr "
                   f"{ec['reft_lr']}, all 30 layers). Eval loss = token-mean cross-entropy of the eval responses "
                   f"(the adapter evaluated in the mode it was trained in). Base model (no adapter): "
                   f"**{results.get('base_eval_loss', float('nan')):.4f}**.", "",
@@ -201,11 +207,11 @@ def report(results: dict, command: str) -> str:
             return {"prefill": "prefill-only", "all": "all-token"}.get(k, k)
         lines += ["## GRPO: reward per step", "",
                   f"Single-operation arithmetic prompts (`tasks=('arithmetic',), max_ops=1`), {ec['grpo_n_train']} "
-                  f"train prompts, the same prompts per step for every run. LoRA rank {ec['grpo_rank']} (all seven "
-                  f"projections) from the identity init (no SFT warm start), {ec['grpo_prompts']} prompts x "
-                  f"{ec['grpo_group']} rollouts per step, temperature {ec['grpo_temperature']}, up to "
-                  f"{ec['grpo_new_tokens']} new tokens, lr {ec['grpo_lr']} unless the run name says otherwise "
-                  f"(cosine decay to 0.1x, no warmup), clip 0.2, k3 KL coefficient {ec['grpo_kl']}, one "
+                  f"train prompts, the same prompts per step for every run. LoRA rank {grpo['adapter']['rank']} (all seven "
+                  f"projections) from the identity init (no SFT warm start), {grpo['prompts_per_step']} prompts x "
+                  f"{grpo['group_size']} rollouts per step, temperature {grpo['temperature']}, up to "
+                  f"{grpo['max_new_tokens']} new tokens, lr {grpo['optimizer']['lr']} unless the run name says otherwise "
+                  f"(cosine decay to 0.1x, no warmup), clip 0.2, k3 KL coefficient {grpo['kl_coef']}, one "
                   "optimizer step per rollout batch. Reward = 1 if the completion's final number is the answer. "
                   "Rollouts are `ModelRunner.generate` (prefill-only: adapted prefill, base decode).", "",
                   "| step | " + " | ".join(f"reward {label(k)}" for k in names) + " | "

@@ -18,68 +18,68 @@ Per step:
 Log-probs use logits / temperature (the distribution the rollouts were sampled from, top_p = 1).
 In prefill mode the response tokens run on base weights, but their logits depend on the adapter
 through attention to the adapted prompt keys/values, so the gradient reaches the adapter.
+
+`GRPOTrainer` is the shared `train.trainer.Trainer` loop with this objective and the rollouts as its
+batch source. Multi-process: every process generates *all* rollouts of a step with the same key
+through the globally sharded model (one SPMD program; the results are replicated, identical in
+every process), computes the same rewards, and feeds its rows of the batch to the update.
+
+    python -m train.grpo --adapter lora --rank 8 --mode prefill --steps 20 --out runs/grpo
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
+import importlib
 import json
 import logging
 import os
-import time
+import pathlib
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from preft_jax import sharding as shd
 from preft_jax.adapters.trainable import adapter_bank
 from preft_jax.config import ModelConfig
 from preft_jax.generation import ModelRunner
 from preft_jax.sampling import SamplingParams
-from train.common import (ALL_TARGETS, ShardedSetup, TrainState, adapted_logprobs, make_adapter_config,
-                          make_optimizer, mask_layer_grads, scalars)
+from train import distributed as dist
+from train.common import TrainState, adapted_logprobs
+from train.config import OptimizerConfig, TrainerConfig
 from train.data import bucket, pad_batch
+from train.trainer import Callback, Trainer
 
 log = logging.getLogger("train.grpo")
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    adapter: str = "lora"
-    rank: int = 8
-    mode: str = "prefill"
-    alpha: float | None = None
-    targets: tuple[str, ...] = ALL_TARGETS
-    layers: tuple[int, ...] | None = None
-    reft_kind: str = "loreft"
+class GRPOConfig(TrainerConfig):
+    """TrainerConfig + rollouts and the objective. `steps` = rollout batches (each `inner_steps`
+    optimizer steps)."""
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=0)
     steps: int = 20
     prompts_per_step: int = 4
     group_size: int = 8
     max_new_tokens: int = 32
     temperature: float = 1.0
-    lr: float = 1e-4
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
     clip_eps: float = 0.2
     kl_coef: float = 0.04
     adv_eps: float = 1e-4
     inner_steps: int = 1
-    seed: int = 0
-    logit_chunk: int | None = 64
-    pad_multiple: int = 16
-    checkpoint_every: int = 0
-    mesh: tuple[int, int, int] = (1, 1, 1)
 
-    def adapter_config(self, model_cfg: ModelConfig):
-        return make_adapter_config(self.adapter, self.rank, self.mode, self.alpha, self.targets, self.layers,
-                                   self.reft_kind, model_cfg.n_layers)
-
-    def to_json(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+    def __post_init__(self):
+        super().__post_init__()
+        for k in ("prompts_per_step", "group_size", "max_new_tokens", "inner_steps"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"GRPOConfig.{k} must be >= 1, got {getattr(self, k)}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (rollouts are sampled), got {self.temperature}")
+        if self.clip_eps <= 0 or self.kl_coef < 0 or self.adv_eps <= 0:
+            raise ValueError("clip_eps and adv_eps must be > 0, kl_coef >= 0")
 
 
 # ------------------------------------------------------------------------------- the objective
@@ -126,36 +126,29 @@ class Rollouts:
     texts: list[str]
 
 
-class GRPOTrainer:
+class GRPOTrainer(Trainer):
     """GRPO on a frozen base model. `runner` is a `ModelRunner` of the base model (not modified).
 
     reward_fn(completion_ids, answer) -> float. `decode` (ids -> text) is used for `texts`.
     """
 
+    name = "grpo"
+
     def __init__(self, model_cfg: ModelConfig, runner: ModelRunner, config: GRPOConfig,
                  reward_fn: Callable[[Sequence[int], object], float], stop_token_ids: Sequence[int] = (),
                  pad_id: int = 0, mesh: jax.sharding.Mesh | None = None,
                  decode: Callable[[Sequence[int]], str] | None = None):
-        self.config, self.model_cfg = config, model_cfg
-        self.adapter_config = config.adapter_config(model_cfg)
-        self.tx, self.schedule = make_optimizer(config.lr, config.steps * config.inner_steps,
-                                                config.warmup_steps, config.weight_decay, config.grad_clip)
-        mesh = shd.make_mesh(*config.mesh) if mesh is None else mesh
-        self.setup = ShardedSetup(model_cfg, runner.graphdef, runner.state, self.adapter_config, self.tx, mesh)
-        self.graphdef = runner.graphdef
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"GRPOTrainer needs a GRPOConfig, got {type(config).__name__}")
+        self.inner_steps = config.inner_steps
+        super().__init__(model_cfg, runner.graphdef, runner.state, config, mesh)
         self.runner = copy.copy(runner)
-        self.runner.state = self.setup.base_state
+        self.runner.state = self.setup.base_state        # rollouts run on the sharded base model
         self.reward_fn, self.decode = reward_fn, decode
         self.stop = tuple(stop_token_ids) or tuple(model_cfg.eos_token_ids)
         self.pad_id = pad_id
-        self._fns: dict = {}
-
-    @property
-    def base_state(self):
-        return self.setup.base_state
-
-    def init_state(self, key=None) -> TrainState:
-        return self.setup.init_state(jax.random.key(self.config.seed) if key is None else key)
+        self.last_rollouts: Rollouts | None = None
+        self._prompts = self._answers = None
 
     # ---- rollouts
     def sampling(self) -> SamplingParams:
@@ -164,7 +157,9 @@ class GRPOTrainer:
                               stop_token_ids=self.stop)
 
     def rollout(self, params, prompts: Sequence[Sequence[int]], answers: Sequence, key) -> Rollouts:
-        """G samples per prompt via ModelRunner.generate with the adapter in slot 1 (serving path)."""
+        """G samples per prompt via ModelRunner.generate with the adapter in slot 1 (serving path).
+
+        Every process runs the same generation (same key, globally sharded model): identical rollouts."""
         G = self.config.group_size
         rep = [list(p) for p in prompts for _ in range(G)]
         bank = adapter_bank(self.model_cfg, self.adapter_config, params)
@@ -186,7 +181,7 @@ class GRPOTrainer:
         return {"tokens": b.tokens, "prompt_lengths": b.prompt_lengths, "loss_mask": b.loss_mask,
                 "advantages": adv.astype(np.float32)}
 
-    # ---- jitted pieces
+    # ---- the loss and its inputs
     def _logprobs(self, params, base_state, batch, adapter_id):
         return adapted_logprobs(self.model_cfg, self.adapter_config, self.graphdef, base_state, params,
                                 batch["tokens"], batch["prompt_lengths"], adapter_id, self.config.temperature,
@@ -196,97 +191,60 @@ class GRPOTrainer:
         """(old policy log-probs, reference = base model log-probs), both [B, T]."""
         return self._logprobs(params, base_state, batch, 1), self._logprobs(params, base_state, batch, 0)
 
-    def _loss(self, params, base_state, batch):
+    def loss(self, params, base_state, batch):
         c = self.config
         logp = self._logprobs(params, base_state, batch, 1)
         return grpo_objective(logp, batch["old_logp"], batch["ref_logp"], batch["advantages"], batch["loss_mask"],
                               c.clip_eps, c.kl_coef)
 
-    def _step_fn(self, ts: TrainState, base_state, batch):
-        (loss, m), grads = jax.value_and_grad(self._loss, has_aux=True)(ts.params, base_state, batch)
-        grads = mask_layer_grads(grads, self.adapter_config, self.model_cfg.n_layers)
-        updates, opt_state = self.tx.update(grads, ts.opt_state, ts.params)
-        params = optax.apply_updates(ts.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(ts.step), **m}
-        return TrainState(params, opt_state, ts.step + 1), metrics
-
-    def _jitted(self, name, arrays):
-        key = (name,) + tuple((k, v.shape) for k, v in sorted(arrays.items()))
-        if key not in self._fns:
-            if name == "score":
-                out = jax.sharding.NamedSharding(self.setup.mesh, shd.batch_spec(arrays["tokens"].shape,
-                                                                                  self.setup.mesh))
-                self._fns[key] = jax.jit(self._score_fn, in_shardings=(
-                    self.setup.state_shardings.params, self.setup.base_shardings, self.setup.batch_shardings(arrays)),
-                    out_shardings=(out, out))
-            else:
-                self._fns[key] = self.setup.jit_step(self._step_fn, arrays)
-        return self._fns[key]
+    def _score_device(self, params, dev: dict):
+        def build():
+            out = jax.sharding.NamedSharding(self.mesh, shd.batch_spec(dev["tokens"].shape, self.mesh))
+            return jax.jit(self._score_fn, in_shardings=(self.setup.state_shardings.params, self.setup.base_shardings,
+                                                         self.setup.batch_shardings(dev)), out_shardings=(out, out))
+        return self.compiled("score", dev, build)(params, self.base_state, dev)
 
     def score(self, params, batch: dict):
-        return self._jitted("score", batch)(params, self.base_state, self.setup.put_batch(batch))
+        """(old, ref) log-probs of a host batch (global arrays)."""
+        return self._score_device(params, self.put_batch(batch))
 
-    def update(self, ts: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        """inner_steps optimizer steps on one rollout batch (old/ref log-probs computed here)."""
-        old, ref = self.score(ts.params, batch)
-        full = dict(batch, old_logp=np.asarray(old), ref_logp=np.asarray(ref))
-        metrics = None
-        for _ in range(self.config.inner_steps):
-            ts, metrics = self._jitted("step", full)(ts, self.base_state, self.setup.put_batch(full))
-        return ts, metrics
+    def prepare(self, state, dev):
+        old, ref = self._score_device(state.params, dev)
+        return dict(dev, old_logp=old, ref_logp=ref)
+
+    # ---- the batch source: this step's prompts, rollouts, rewards
+    def next_batch(self, state, position):
+        c = self.config
+        P = c.prompts_per_step
+        epoch, k = divmod(position, len(self._prompts) // P)
+        order = np.random.default_rng([c.seed, epoch]).permutation(len(self._prompts))
+        idx = order[k * P:(k + 1) * P]
+        ro = self.rollout(state.params, [self._prompts[i] for i in idx], [self._answers[i] for i in idx],
+                          jax.random.fold_in(jax.random.key(c.seed + 1), position))
+        self.last_rollouts = ro
+        info = {"reward_mean": float(ro.rewards.mean()), "reward_std": float(ro.rewards.std()),
+                "response_len": float(np.mean([len(r) for r in ro.responses]))}
+        return self.rollout_batch(ro, self._length), None, info
+
+    def log_keys(self):
+        return ("reward_mean", "kl")
 
     # ---- the loop
     def fit(self, prompts: Sequence[Sequence[int]], answers: Sequence, state: TrainState | None = None,
             checkpoint_dir: str | os.PathLike | None = None, metrics_path: str | os.PathLike | None = None,
-            callback=None) -> tuple[TrainState, list[dict]]:
-        """`config.steps` GRPO steps; prompts are taken in a seeded shuffled order (resumable)."""
+            callback: Callback | None = None, until: int | None = None,
+            callbacks: tuple[Callback, ...] = ()) -> tuple[TrainState, list[dict]]:
+        """`config.steps` GRPO steps; prompts are taken in a seeded shuffled order (resumable).
+        `self.last_rollouts` holds the latest step's rollouts (for callbacks)."""
         c = self.config
-        P = c.prompts_per_step
-        if P > len(prompts):
-            raise ValueError(f"prompts_per_step {P} > {len(prompts)} prompts")
-        per_epoch = len(prompts) // P
-        length = bucket(max(len(p) for p in prompts) + c.max_new_tokens + 1, c.pad_multiple)
-        ckpt, start = None, 0
-        if checkpoint_dir is not None:
-            from train.checkpoint import Checkpointer
-            ckpt = Checkpointer(checkpoint_dir, save_every=c.checkpoint_every or c.steps)
-            if ckpt.latest_step() is not None:
-                state, meta = ckpt.restore(self.setup.abstract_state)
-        if state is None:
-            state = self.init_state()
-        start = int(state.step) // c.inner_steps
-        base_key = jax.random.key(c.seed + 1)
-        history = []
-        out = open(metrics_path, "a", encoding="utf-8") if metrics_path else None
-        try:
-            for it in range(start, c.steps):
-                t0 = time.time()
-                epoch, k = divmod(it, per_epoch)
-                order = np.random.default_rng([c.seed, epoch]).permutation(len(prompts))
-                idx = order[k * P:(k + 1) * P]
-                ro = self.rollout(state.params, [prompts[i] for i in idx], [answers[i] for i in idx],
-                                  jax.random.fold_in(base_key, it))
-                t_roll = time.time()
-                state, m = self.update(state, self.rollout_batch(ro, length))
-                row = {"step": it + 1, "reward_mean": float(ro.rewards.mean()),
-                       "reward_std": float(ro.rewards.std()),
-                       "response_len": float(np.mean([len(r) for r in ro.responses])),
-                       **scalars(m), "rollout_s": t_roll - t0, "update_s": time.time() - t_roll}
-                history.append(row)
-                log.info("step %d reward %.3f loss %.4f kl %.4f", it + 1, row["reward_mean"], row["loss"], row["kl"])
-                if out:
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
-                if ckpt is not None:
-                    ckpt.save(it + 1, state, it + 1, c.to_json(), force=it + 1 == c.steps)
-                if callback is not None:
-                    callback(row, state, ro)
-        finally:
-            if out:
-                out.close()
-            if ckpt is not None:
-                ckpt.close()
-        return state, history
+        if c.prompts_per_step > len(prompts):
+            raise ValueError(f"prompts_per_step {c.prompts_per_step} > {len(prompts)} prompts")
+        if len(answers) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+        self._prompts, self._answers = list(prompts), list(answers)
+        self._length = bucket(max(len(p) for p in prompts) + c.max_new_tokens + 1, c.pad_multiple)
+        cbs = tuple(callbacks) + (() if callback is None else (callback,))
+        return self.train(checkpoint_dir, metrics_path, cbs, until, state)
 
 
 def text_reward_fn(tokenizer):
@@ -296,3 +254,92 @@ def text_reward_fn(tokenizer):
     def fn(completion_ids, answer):
         return reward(tokenizer.decode(completion_ids), answer)
     return fn
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def load_reward(spec: str, tokenizer) -> Callable[[Sequence[int], object], float]:
+    """"answer": the verifier of train.tasks on the decoded completion; "module:function": a
+    reward_fn(completion_ids, answer) -> float imported from a module."""
+    if spec == "answer":
+        return text_reward_fn(tokenizer)
+    mod, sep, attr = spec.partition(":")
+    if not sep or not mod or not attr:
+        raise ValueError(f"--reward must be 'answer' or 'module:function', got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--reward {spec!r}: cannot import it ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"--reward {spec!r} is not callable")
+    return fn
+
+
+def _parse(argv=None):
+    from train import cli
+    d = GRPOConfig()
+    p = argparse.ArgumentParser(description="GRPO of one adapter with verifiable rewards")
+    cli.add_trainer_args(p, d, out="runs/grpo")
+    g = p.add_argument_group("rollouts and objective")
+    g.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
+    g.add_argument("--group-size", type=int, default=d.group_size)
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--clip-eps", type=float, default=d.clip_eps)
+    g.add_argument("--kl-coef", type=float, default=d.kl_coef)
+    g.add_argument("--inner-steps", type=int, default=d.inner_steps)
+    g.add_argument("--reward", default="answer", help="'answer' (train.tasks verifier) or module:function")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="runs/grpo_data", help="dataset folder (generated if missing)")
+    g.add_argument("--n-train", type=int, default=64)
+    g.add_argument("--tasks", default="arithmetic", help="comma-separated train.tasks kinds for generation")
+    g.add_argument("--max-ops", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def config_from_args(a) -> GRPOConfig:
+    from train import cli
+    return GRPOConfig(**cli.trainer_fields(a), prompts_per_step=a.prompts_per_step, group_size=a.group_size,
+                      max_new_tokens=a.max_new_tokens, temperature=a.temperature, clip_eps=a.clip_eps,
+                      kl_coef=a.kl_coef, inner_steps=a.inner_steps)
+
+
+def run(argv=None) -> dict | None:
+    """The CLI: returns the summary on process 0 (None elsewhere)."""
+    from train import cli
+    from train.checkpoint import export_adapter
+    from train.data import encode_prompt, load_split, write_dataset
+
+    a = _parse(argv)
+    gc = config_from_args(a)
+    opts = cli.model_options(a)
+    cli.start(a)
+    dist.build_mesh(gc.mesh)   # the mesh must fit the devices
+    if dist.is_primary() and not (pathlib.Path(a.data) / "train.jsonl").is_file():
+        write_dataset(a.data, a.n_train, 1, a.seed + 1, tasks=tuple(a.tasks.split(",")), max_ops=a.max_ops)
+    dist.barrier("grpo-data")
+    cfg, runner, tok = cli.load_base(opts)
+    reward_fn = load_reward(a.reward, tok)
+    rows = load_split(a.data, "train")
+    prompts = [encode_prompt(tok, r["question"]) for r in rows]
+    answers = [r["answer"] for r in rows]
+    trainer = GRPOTrainer(cfg, runner, gc, reward_fn, tok.eos_token_ids, tok.pad_token_id or 0, decode=tok.decode)
+    out = pathlib.Path(a.out)
+    state, hist = trainer.fit(prompts, answers, checkpoint_dir=out / "checkpoints",
+                              metrics_path=out / "metrics.jsonl", callbacks=cli.callbacks(a))
+    params = dist.gather_to_host(state.params)
+    if not dist.is_primary():
+        return None
+    export_adapter(out / "adapter", cfg, trainer.adapter_config, params)
+    summary = {"steps": gc.steps, "reward": [h["reward_mean"] for h in hist], "adapter": str(out / "adapter"),
+               "checkpoints": str(out / "checkpoints")}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def main(argv=None) -> int:
+    from train import cli
+    return cli.main_guard(run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

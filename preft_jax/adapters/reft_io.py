@@ -147,14 +147,26 @@ def adapter_kind(folder: str | os.PathLike) -> str:
                                  f"load_peft_lora, load_reft or load_pyreft explicitly")
     if found:
         return found[0]
+    from preft_jax.adapters import orbax_io
+    if orbax_io.is_orbax_checkpoint(path):          # a training run, its checkpoints folder, or one step
+        return orbax_io.checkpoint_adapter_kind(path)
     raise AdapterFileNotFoundError(f"{path} is not an adapter folder: neither {PEFT_CONFIG_NAME} (PEFT LoRA) nor "
-                                   f"{REFT_CONFIG_NAME} (preft_jax ReFT) nor a pyreft/pyvene config.json found")
+                                   f"{REFT_CONFIG_NAME} (preft_jax ReFT) nor a pyreft/pyvene config.json found, "
+                                   f"nor an Orbax training checkpoint")
 
 
 def load_adapter(folder: str | os.PathLike, model_config: ModelConfig,
                  policy: PositionPolicy | None = None) -> LoraWeights | ReftWeights:
     """Load whichever adapter a folder holds: LoraWeights for PEFT LoRA, ReftWeights for preft_jax ReFT or a
-    pyreft LoReFT/DiReFT folder. `policy`, when given, overrides the stored / default position policy."""
+    pyreft LoReFT/DiReFT folder; for an Orbax training run / checkpoints folder (latest step) or step
+    folder, the trained adapter. `policy`, when given, overrides the stored / default position policy."""
+    from preft_jax.adapters import orbax_io
+    if orbax_io.is_orbax_checkpoint(folder):
+        w = orbax_io.load_orbax_adapter(folder, model_config)
+        if policy is not None:
+            import dataclasses
+            w = dataclasses.replace(w, config=dataclasses.replace(w.config, policy=policy))
+        return w
     kind = adapter_kind(folder)
     if kind == "lora":
         return load_peft_lora(folder, model_config, policy=policy)

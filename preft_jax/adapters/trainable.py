@@ -8,7 +8,7 @@ LoRA params:  {"A": {target: [L, d_in, r]}, "B": {target: [L, r, d_out]}}  (PEFT
 ReFT params:  {"R": [L, r, d], "W": [L, r, d], "b": [L, r]}. LoReFT uses orthonormal rows
     R = QR-orthonormalized(params["R"]) in every forward; it starts with W = R, b = 0 (identity).
     DiReFT uses R as is and starts with W = 0.
-Layers outside the config's `layers` are masked to zero (no gradient reaches them).
+Layers outside the config's `layers` are masked to zero: their gradient is exactly zero (never NaN).
 """
 from __future__ import annotations
 
@@ -89,10 +89,18 @@ def init_reft(cfg: ModelConfig, config: ReftConfig, key, dtype=jnp.float32) -> d
 
 
 def effective_reft(cfg: ModelConfig, config: ReftConfig, params: dict):
+    """(R, W, b) as the model uses them: LoReFT's R orthonormalized, layers outside config.layers zero.
+
+    For LoReFT the unused layers' R is replaced by a fixed orthonormal matrix (rows of the identity)
+    *before* the QR: their stored R is all zero, where the QR's gradient is NaN (and masking after
+    the QR would give 0 * NaN = NaN). With `where` on a constant mask those layers get an exactly
+    zero gradient, like every parameter of an unused layer."""
     mask = jnp.asarray(_layer_mask(cfg, config.layers))
     R = params["R"]
     if config.kind == "loreft":
-        R = orthonormal_rows(R.astype(jnp.float32)).astype(params["R"].dtype)
+        used = mask[:, None, None] > 0
+        eye = jnp.eye(R.shape[-2], R.shape[-1], dtype=jnp.float32)
+        R = orthonormal_rows(jnp.where(used, R.astype(jnp.float32), eye)).astype(params["R"].dtype)
     return R * mask[:, None, None], params["W"] * mask[:, None, None], params["b"] * mask[:, None]
 
 

@@ -1,0 +1,146 @@
+"""Command-line pieces shared by `python -m train.sft` and `python -m train.grpo`.
+
+Flags (defaults from the trainer's config class):
+
+    adapter     --adapter {lora,reft} --rank --mode {prefill,all} --alpha --targets q,v,... --layers 0,2
+                --reft-kind {loreft,direft}
+    optimizer   --lr --warmup-steps --weight-decay --grad-clip
+    loop        --steps --seed --log-every --eval-every --logit-chunk --pad-multiple
+    mesh        --mesh data,fsdp,tensor            (multi-process: must use every device)
+    checkpoint  --checkpoint-every --keep-checkpoints
+    model       --model PATH --dtype {float32,bfloat16} --backend {auto,jnp,xla,pallas}
+    processes   --coordinator HOST:PORT|auto --num-processes --process-id --local-device-count --init-timeout
+    output      --out RUN_FOLDER  (checkpoints/, metrics.jsonl, adapter/; resumes when it holds checkpoints)
+
+`main_guard` turns the errors a user can fix (bad flags, unreachable coordinator, a mesh that does
+not fit the devices, a checkpoint of another model / adapter / process count) into one
+`error: ...` line on stderr and exit status 2, with nothing written.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from train import distributed as dist
+from train.config import (ADAPTERS, BACKENDS, DTYPES, MODES, AdapterSpec, CheckpointConfig, MeshConfig,
+                          ModelOptions, OptimizerConfig, TrainerConfig)
+
+log = logging.getLogger("train")
+
+
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    if text is None or text == "" or text == "all":
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: str) -> None:
+    d = defaults
+    g = p.add_argument_group("adapter")
+    g.add_argument("--adapter", choices=ADAPTERS, default=d.adapter.kind)
+    g.add_argument("--rank", type=int, default=d.adapter.rank)
+    g.add_argument("--mode", choices=MODES, default=d.adapter.mode)
+    g.add_argument("--alpha", type=float, default=d.adapter.alpha, help="LoRA alpha (default 2 * rank)")
+    g.add_argument("--targets", default=",".join(d.adapter.targets))
+    g.add_argument("--layers", type=_ints, default=d.adapter.layers, help="comma-separated (default: all)")
+    g.add_argument("--reft-kind", choices=("loreft", "direft"), default=d.adapter.reft_kind)
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, default=d.optimizer.lr)
+    g.add_argument("--warmup-steps", type=int, default=d.optimizer.warmup_steps)
+    g.add_argument("--weight-decay", type=float, default=d.optimizer.weight_decay)
+    g.add_argument("--grad-clip", type=float, default=d.optimizer.grad_clip)
+    g = p.add_argument_group("loop")
+    g.add_argument("--steps", type=int, default=d.steps)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--log-every", type=int, default=d.log_every)
+    g.add_argument("--eval-every", type=int, default=d.eval_every)
+    g.add_argument("--logit-chunk", type=int, default=d.logit_chunk)
+    g.add_argument("--pad-multiple", type=int, default=d.pad_multiple,
+                   help="sequences are padded to a multiple of this (fewer distinct shapes: fewer compiles)")
+    g.add_argument("--mesh", default=",".join(map(str, d.mesh.shape)), help="data,fsdp,tensor")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint.every,
+                   help="0: only at the end of the run")
+    g.add_argument("--keep-checkpoints", type=int, default=d.checkpoint.max_to_keep)
+    g.add_argument("--out", default=out, help="run folder: checkpoints/, metrics.jsonl, adapter/")
+    g.add_argument("--fault-after-step", type=int, default=None, help=argparse.SUPPRESS)   # tests: SIGKILL
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="dtype of the frozen base model (adapter params and optimizer state stay float32)")
+    g.add_argument("--backend", default="jnp", help=f"adapter backend, one of {BACKENDS} (the model validates it)")
+    dist.add_cli_args(p)
+
+
+def trainer_fields(a) -> dict:
+    """The TrainerConfig fields (nested groups) from parsed flags."""
+    return dict(
+        adapter=AdapterSpec(kind=a.adapter, rank=a.rank, mode=a.mode, alpha=a.alpha,
+                            targets=tuple(t for t in a.targets.split(",") if t), layers=a.layers,
+                            reft_kind=a.reft_kind),
+        optimizer=OptimizerConfig(lr=a.lr, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
+                                  grad_clip=a.grad_clip),
+        mesh=MeshConfig.parse(a.mesh),
+        checkpoint=CheckpointConfig(every=a.checkpoint_every, max_to_keep=a.keep_checkpoints),
+        steps=a.steps, seed=a.seed, log_every=a.log_every, eval_every=a.eval_every, logit_chunk=a.logit_chunk,
+        pad_multiple=a.pad_multiple)
+
+
+def model_options(a) -> ModelOptions:
+    return ModelOptions(path=a.model, dtype=a.dtype, backend=a.backend)
+
+
+def start(a) -> dist.DistributedConfig:
+    """jax.distributed start-up from flags / environment, then logging (process 0 at INFO)."""
+    dcfg = dist.config_from_args(a)
+    dist.initialize(dcfg)
+    import jax
+    level = logging.INFO if jax.process_index() == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"%(asctime)s [p{jax.process_index()}] %(name)s %(message)s",
+                        force=True)
+    logging.getLogger("absl").setLevel(logging.WARNING)       # Orbax's per-save chatter
+    return dcfg
+
+
+def load_base(opts: ModelOptions):
+    """(ModelConfig, ModelRunner of the frozen base in opts.dtype with opts.backend, tokenizer)."""
+    from preft_jax.generation import ModelRunner
+    from preft_jax.loading import load_model
+    from preft_jax.model import Llama
+    cfg, params, tok = load_model(opts.path)
+    return cfg, ModelRunner(Llama.from_params(cfg, params, dtype=opts.jnp_dtype, adapter_backend=opts.backend)), tok
+
+
+def callbacks(a) -> tuple:
+    """Test hook: --fault-after-step K kills this process (SIGKILL) once batch K is checkpointed."""
+    if a.fault_after_step is None:
+        return ()
+
+    def crash(row, state):
+        if row["step"] == a.fault_after_step:
+            log.warning("fault injection: SIGKILL after step %d", row["step"])
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return (crash,)
+
+
+def main_guard(fn, argv=None) -> int:
+    """Runs fn(argv); user-fixable errors -> `error: ...` on stderr, exit status 2."""
+    from train.trainer import ResumeError
+    try:
+        fn(argv)
+    except (dist.DistributedError, ResumeError, ValueError, FileNotFoundError) as e:
+        if os.environ.get("PREFT_TRACEBACK"):
+            raise
+        specific = isinstance(e, (dist.DistributedError, ResumeError, FileNotFoundError))
+        print(f"error: {e}" + ("" if specific else f" ({type(e).__name__}; PREFT_TRACEBACK=1 shows where)"),
+              file=sys.stderr, flush=True)
+        return 2
+    finally:
+        dist.shutdown()
+    return 0
