@@ -1,4 +1,4 @@
-"""Cold vs warm start-up of `python -m preft_jax "<prompt>"`, round-robin, as a markdown table.
+"""Cold vs warm start-up of `python -m preft_jax "<prompt>"` (or the server), round-robin, as a markdown table.
 
 Variants (each run is a fresh process):
   no-cache  `--no-cache`: dequantize + compile every time (the behaviour before the caches)
@@ -10,18 +10,26 @@ alike; wall-clock and CPU (user+sys) seconds are reported as median [min-max]. T
 temporary directory (PREFT_JAX_CACHE_DIR), so the user's own cache is never touched.
 
     python scripts/bench_startup.py --runs 5
+    python scripts/bench_startup.py --runs 3 --server     # `python -m serve server`: time to /health
+                                                           # and to the first chat completion
+
+The server is timed with JAX's persistent compilation cache switched on through JAX_* environment
+variables (what `preft_jax.cache.enable_compilation_cache()` sets), in case serve does not call it.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import json
 import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 VARIANTS = ("no-cache", "cold", "warm")
 
@@ -38,6 +46,49 @@ def _run(cmd: list[str], env: dict) -> tuple[float, float, str]:
     return wall, cpu, proc.stdout.strip()
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_server(prompt: str, env: dict, use_cache: bool) -> tuple[float, float, str]:
+    """(seconds to a 200 from /health, seconds to the first chat completion's answer, answer)."""
+    port = _free_port()
+    if use_cache:
+        env = {**env, "JAX_COMPILATION_CACHE_DIR": os.path.join(env["PREFT_JAX_CACHE_DIR"], "jax"),
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    else:
+        env = {**env, "PREFT_JAX_NO_CACHE": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "server", "--port", str(port), "--log-level", "warning"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.05)
+        ready = time.perf_counter() - t0
+        body = json.dumps({"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": prompt}], "max_tokens": 64,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            answer = json.loads(r.read())["choices"][0]["message"]["content"]
+        return ready, time.perf_counter() - t0, answer.strip()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def _fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -46,6 +97,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="runs per variant")
     ap.add_argument("--prompt", default="What is the capital of France?")
+    ap.add_argument("--server", action="store_true", help="time `python -m serve server` instead of the CLI")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more CLI arguments")
     args = ap.parse_args(argv)
 
@@ -57,7 +109,10 @@ def main(argv=None) -> int:
     results = {v: ([], []) for v in VARIANTS}
     outputs = set()
     try:
-        _run(cmd, {**base_env, "PREFT_JAX_CACHE_DIR": warm_dir})          # fill the warm cache
+        if args.server:
+            _run_server(args.prompt, {**base_env, "PREFT_JAX_CACHE_DIR": warm_dir}, True)
+        else:
+            _run(cmd, {**base_env, "PREFT_JAX_CACHE_DIR": warm_dir})      # fill the warm cache
         for _ in range(args.runs):
             for v in VARIANTS:
                 env = dict(base_env)
@@ -69,17 +124,24 @@ def main(argv=None) -> int:
                     run_cmd, env["PREFT_JAX_CACHE_DIR"] = cmd, cold_dir
                 else:
                     run_cmd, env["PREFT_JAX_CACHE_DIR"] = cmd, warm_dir
-                wall, cpu, out = _run(run_cmd, env)
-                results[v][0].append(wall)
-                results[v][1].append(cpu)
+                if args.server:
+                    a, b, out = _run_server(args.prompt, env, v != "no-cache")
+                else:
+                    a, b, out = _run(run_cmd, env)
+                results[v][0].append(a)
+                results[v][1].append(b)
                 outputs.add(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     load = os.getloadavg()
-    print(f"`python -m preft_jax \"{args.prompt}\"`, {args.runs} runs per variant, {os.cpu_count()} CPUs, "
+    what = "`python -m serve server`" if args.server else f"`python -m preft_jax \"{args.prompt}\"`"
+    print(f"{what}, {args.runs} runs per variant, {os.cpu_count()} CPUs, "
           f"load average at end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
-    print("| variant | wall s, median [min-max] | CPU s (user+sys), median [min-max] |")
+    if args.server:
+        print("| variant | s to /health 200, median [min-max] | s to first chat answer, median [min-max] |")
+    else:
+        print("| variant | wall s, median [min-max] | CPU s (user+sys), median [min-max] |")
     print("|---|---|---|")
     for v in VARIANTS:
         print(f"| {v} | {_fmt(results[v][0])} | {_fmt(results[v][1])} |")
