@@ -147,6 +147,8 @@ def test_layout_built_once_and_mode_inference():
         ctx.lora(jnp.zeros((4, 8)), jnp.zeros((3, 8, 2)), jnp.zeros((3, 2, 8)))
     with pytest.raises(ValueError, match="built for 3"):
         ctx.lora(jnp.zeros((6, 8)), jnp.zeros((4, 8, 2)), jnp.zeros((4, 2, 8)))
+    with pytest.raises(ValueError, match="float16 is not supported; supported: float32, bfloat16"):
+        ctx.lora(jnp.zeros((6, 8), jnp.float16), jnp.zeros((3, 8, 2), jnp.float16), jnp.zeros((3, 2, 8), jnp.float16))
     with pytest.raises(ValueError, match="mode must be one of"):
         AdapterContext.build(s2, 3, "xla", "dense")
 

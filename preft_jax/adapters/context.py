@@ -46,6 +46,7 @@ BACKENDS = ("auto", "jnp", "xla", "pallas")
 MODES = ("gather", "grouped")
 SELECT_MAX_SLOTS = 4          # jnp backend: banks up to this many slots use the per-slot select
 PALLAS_BLOCK_TOKENS = 16      # token tile of the grouped Pallas kernels (their default)
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))   # activations and adapter weights, every backend
 
 log = logging.getLogger(__name__)
 _warned: set = set()
@@ -169,9 +170,13 @@ class AdapterContext:
             raise ValueError(f"{name} {x.shape} has {tokens} tokens, the adapter context {self.num_tokens}")
         return x.reshape(tokens, x.shape[-1])
 
-    def _check_slots(self, w, name):
+    def _check(self, x, w, name):
         if w.shape[0] != self.n_slots:
             raise ValueError(f"{name} has {w.shape[0]} slots, the adapter context was built for {self.n_slots}")
+        for a in (x, w):
+            if jnp.dtype(a.dtype) not in DTYPES:
+                raise ValueError(f"adapter backend {self.backend!r}: dtype {jnp.dtype(a.dtype).name} is not supported; "
+                                 f"supported: {', '.join(d.name for d in DTYPES)}")
 
     def _sorted(self):
         if self.order is not None:
@@ -184,7 +189,7 @@ class AdapterContext:
     # ---- LoRA ----------------------------------------------------------------------------------
     def lora(self, x, A, B):
         """Multi-adapter LoRA delta: x [..., d_in] (T tokens), A [N, d_in, r], B [N, r, d_out] -> [..., d_out]."""
-        self._check_slots(A, "LoRA A")
+        self._check(x, A, "LoRA A")
         lead, xf = x.shape[:-1], self._flat(x, "x")
         out = self._lora_flat(xf, A, B)
         return out.reshape(lead + out.shape[-1:])
@@ -213,7 +218,7 @@ class AdapterContext:
     def reft(self, h, R, W, b, subtract):
         """Multi-adapter ReFT edit of the residual stream: h [..., d]; R, W [N, r, d]; b [N, r];
         subtract [N] -> h + R^T (W h + b - subtract * R h), per token's slot (zero R = identity)."""
-        self._check_slots(R, "ReFT R")
+        self._check(h, R, "ReFT R")
         lead, hf = h.shape[:-1], self._flat(h, "h")
         return self._reft_flat(hf, R, W, b, subtract).reshape(lead + h.shape[-1:])
 
