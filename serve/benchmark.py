@@ -89,8 +89,9 @@ class Variant:
         names = [str(i) for i in range(1, n_adapters + 1)]
         reg = (AdapterRegistry(runner.cfg, capacity=0) if bank is None
                else AdapterRegistry.from_bank(runner.cfg, bank, names, mode="prefill"))   # engine sets its mode
-        self.engine = Engine(runner, reg, EngineConfig(n_slots=work.slots, max_len=work.prompt_len + work.max_tokens,
-                                                       mode=mode, prefill_batch=work.prefill_batch))
+        self.engine = Engine(runner, reg, EngineConfig(
+            max_num_seqs=work.slots, max_model_len=work.prompt_len + work.max_tokens, mode=mode,
+            max_prefill_seqs=work.prefill_batch, max_num_batched_tokens=work.slots + work.prefill_batch * work.prompt_len))
         rng = np.random.default_rng(1000 + n_adapters)
         self.chosen = [None if bank is None else names[int(rng.integers(0, n_adapters))] for _ in prompts]
         self.rates: list[float] = []
@@ -104,7 +105,8 @@ class Variant:
         return sum(len(r.tokens) for r in results), dt
 
     def warmup(self):
-        """Compiles this engine's prefill and decode (same shapes as the timed runs)."""
+        """Compiles every prefill and decode shape of this engine, then one short untimed run."""
+        self.engine.warmup()
         k = self.work.prefill_batch
         self._serve(self.prompts[:k], self.chosen[:k], 2)
 

@@ -87,7 +87,7 @@ def test_engine_serves_the_checkpoint_like_the_exported_folder(runner, runs):
     for kind, (run, _) in runs.items():
         reg.load(f"{kind}-ckpt", str(run))                  # the run folder: its latest checkpoint
         reg.load(f"{kind}-peft", str(run / "adapter"))
-    eng = Engine(runner, reg, EngineConfig(n_slots=4, max_len=48, mode="prefill", prefill_batch=2))
+    eng = Engine(runner, reg, EngineConfig(max_num_seqs=4, max_model_len=48, mode="prefill", max_prefill_seqs=2, max_num_batched_tokens=32, block_size=8))
     sp = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(-1,))
     prompts = [[5, 6, 7, 8, 9], [11, 3, 40], [100, 101, 102, 103, 104, 105, 7]]
     reqs = [(p, name, sp) for p in prompts for name in (None, "lora-ckpt", "lora-peft", "reft-ckpt", "reft-peft")]
