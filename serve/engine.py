@@ -67,6 +67,9 @@ def _pow_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
     return sorted(set(out))
 
 
+_take_tokens = jax.jit(lambda prev, index: prev[index][:, None])
+
+
 def _bucket(n: int, buckets: list[int]) -> int:
     for b in buckets:
         if n <= b:
@@ -91,11 +94,12 @@ class EngineConfig:
     wedge_timeout: float = 60.0          # a step running longer than this makes `health()` report wedged
     starvation_s: float = 2.0            # waiting longer than this jumps the adapter-grouping order
     min_chunk: int = 16                  # smallest prefill chunk bucket
+    num_scheduler_steps: int = 4         # decode calls per step when nothing waits (pipelined, see _run_decode)
 
     def __post_init__(self):
         if self.mode not in ("prefill", "all"):
             raise ValueError(f"engine mode must be 'prefill' or 'all', got {self.mode!r}")
-        for name in ("max_num_seqs", "max_prefill_seqs", "block_size", "min_chunk"):
+        for name in ("max_num_seqs", "max_prefill_seqs", "block_size", "min_chunk", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len < 2:
@@ -351,7 +355,8 @@ class Engine:
                 self._run_prefill(plan.prefill)
             decode = [s for s in plan.decode if not s.req.finished and s.status == DECODE]
             if decode:
-                self._run_decode(decode)
+                quiet = not plan.prefill and not self._inbox and not self.scheduler.waiting
+                self._run_decode(decode, self.config.num_scheduler_steps if quiet else 1)
         finally:
             self.steps += 1
             self._last_step_end = time.monotonic()
@@ -426,10 +431,11 @@ class Engine:
         return tokens, batch, ids, plen, temp, top_p, top_k
 
     def _call(self, tokens, batch, bank, ids, plen, temp, top_p, top_k):
+        """One jitted step (dispatched asynchronously): device array of sampled token ids."""
         nxt, self.cache = paged_step(self.runner.graphdef, self.runner.state, jnp.asarray(tokens), batch, self.cache,
                                      bank, None if bank is None else jnp.asarray(ids), jnp.asarray(plen),
                                      jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k), self._next_key())
-        return np.asarray(nxt)
+        return nxt
 
     def _run_prefill(self, chunks: list[Chunk]):
         try:
@@ -444,7 +450,7 @@ class Engine:
             return
         tokens, batch, ids, plen, temp, top_p, top_k = arrays
         try:
-            nxt = self._call(tokens, batch, self.registry.bank, ids, plen, temp, top_p, top_k)
+            nxt = np.asarray(self._call(tokens, batch, self.registry.bank, ids, plen, temp, top_p, top_k))
         except Exception:  # noqa: BLE001
             ids_ = [ch.seq.req.request_id for ch in chunks]
             log.exception("prefill step failed for requests %s", ids_)
@@ -472,17 +478,19 @@ class Engine:
                     self._accept_safely(seq, int(nxt[r]))
 
     # ---- decode ----------------------------------------------------------------------------
-    def _run_decode(self, seqs: list[Sequence]):
+    def _decode_inputs(self, seqs: list[Sequence], ahead: int):
+        """Arrays of one decode call; `ahead` = tokens already dispatched but not yet accounted (0 or 1)."""
         c = self.config
         bs, R = c.block_size, c.max_num_seqs
-        nb = _bucket(max(1, max(-(-(s.num_computed + 1) // bs) for s in seqs)), self.block_buckets)
+        nb = _bucket(max(1, max(-(-(s.num_computed + ahead + 1) // bs) for s in seqs)), self.block_buckets)
         tokens = np.zeros((R, 1), np.int32)
         ctx, clen, plen = np.zeros(R, np.int32), np.zeros(R, np.int32), np.ones(R, np.int32)
         widx = np.full((R, 1), self.num_blocks * bs, np.int32)
         ids = np.zeros(R, np.int32)
         for r, s in enumerate(seqs):
-            p = s.num_computed
-            tokens[r, 0] = s.tokens[p]
+            p = s.num_computed + ahead
+            if not ahead:
+                tokens[r, 0] = s.tokens[p]
             ctx[r], clen[r], plen[r] = p, 1, s.plen
             widx[r, 0] = s.blocks[p // bs] * bs + p % bs
             ids[r] = 0 if s.ref is None else s.ref.slot
@@ -490,20 +498,60 @@ class Engine:
         bt[:len(seqs)] = self._row_tables(seqs, nb)
         batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx),
                            self.decode_attention)
-        bank = self.registry.bank if c.mode == "all" else None
-        temp, top_p, top_k = self._sampling_rows(seqs, R)
+        return tokens, batch, ids, plen, *self._sampling_rows(seqs, R)
+
+    def _dispatch_decode(self, seqs, ahead, prev_tokens=None, prev_rows=None):
+        """Dispatches one decode call (asynchronously); with `prev_tokens` (the device output of the
+        call before, not yet seen by the host) each row's input token is taken from it on device."""
+        tokens, batch, ids, plen, temp, top_p, top_k = self._decode_inputs(seqs, ahead)
+        if prev_tokens is not None:
+            where = {id(s): i for i, s in enumerate(prev_rows)}
+            index = np.zeros(self.config.max_num_seqs, np.int32)
+            index[:len(seqs)] = [where[id(s)] for s in seqs]
+            tokens = _take_tokens(prev_tokens, jnp.asarray(index))
+        bank = self.registry.bank if self.config.mode == "all" else None
+        return self._call(tokens, batch, bank, ids, plen, temp, top_p, top_k)
+
+    def _run_decode(self, seqs: list[Sequence], iterations: int = 1):
+        """`iterations` decode calls for the running sequences. From the second on, each call is
+        dispatched before the host has seen the previous call's tokens (its input tokens stay on the
+        device): the host's token handling overlaps the device's next step. A sequence that stops on
+        a token the host has not seen yet has one extra token computed and discarded."""
+        c = self.config
+        pending = None                                          # (rows, device tokens) not yet processed
         try:
-            nxt = self._call(tokens, batch, bank, ids, plen, temp, top_p, top_k)
+            for it in range(iterations):
+                if pending is None:
+                    rows = [s for s in seqs if not s.req.finished and s.status == DECODE]
+                    if not rows:
+                        break
+                    pending = (rows, self._dispatch_decode(rows, 0))
+                    continue
+                prev_rows, prev = pending
+                rows = [s for s in prev_rows if not s.req.finished and not s.req.cancelled
+                        and len(s.req.tokens) + 2 <= s.req.sampling.max_new_tokens
+                        and len(s.tokens) + 2 <= c.max_model_len]
+                with self._state:                               # a home for position num_computed + 1
+                    rows = [s for s in rows if self.scheduler.grow(s, s.num_computed + 2)]
+                nxt = self._dispatch_decode(rows, 1, prev, prev_rows) if rows else None
+                self._process_decode(prev_rows, prev)
+                pending = (rows, nxt) if rows else None
+                if pending is None:
+                    break
+            if pending is not None:
+                self._process_decode(*pending)
         except Exception:  # noqa: BLE001 - not attributable: every running request is affected
             log.exception("decode step failed; failing running requests %s", [s.req.request_id for s in seqs])
             self.metrics.step_failures["decode"] += 1
             for s in seqs:
                 self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
-            return
+
+    def _process_decode(self, rows, nxt_device):
+        nxt = np.asarray(nxt_device)                            # the one host transfer of the call
         with self._state:
-            for r, s in enumerate(seqs):
-                if s.req.finished:
+            for r, s in enumerate(rows):
+                if s.req.finished or s.status != DECODE:
                     continue
                 s.num_computed += 1
                 self.scheduler.register_computed(s)
@@ -611,8 +659,10 @@ class Engine:
                 progress(f"compiling decode {i + 1}/{len(self.block_buckets)} (context {nb} blocks)")
             batch = PagedBatch(jnp.zeros((R, nb), jnp.int32), jnp.zeros(R, jnp.int32), jnp.zeros(R, jnp.int32),
                                jnp.full((R, 1), drop, jnp.int32), self.decode_attention)
-            self._call(np.zeros((R, 1), np.int32), batch, dbank, np.zeros(R, np.int32), np.ones(R, np.int32),
-                       *self._sampling_rows([], R))
+            out = self._call(np.zeros((R, 1), np.int32), batch, dbank, np.zeros(R, np.int32), np.ones(R, np.int32),
+                             *self._sampling_rows([], R))
+            _take_tokens(out, jnp.zeros(R, jnp.int32))
+        jax.block_until_ready(self.cache.k)
         return time.monotonic() - t0
 
     # ---- background loop -------------------------------------------------------------------

@@ -109,7 +109,7 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, upto: int) -> int:
         return max(0, -(-upto // self.config.block_size) - len(seq.blocks))
 
-    def _grow(self, seq: Sequence, upto: int) -> bool:
+    def grow(self, seq: Sequence, upto: int) -> bool:
         """Allocates blocks so positions < upto have a home; False when the pool is exhausted."""
         need = self._blocks_needed(seq, upto)
         if need > self.pool.num_available:
@@ -180,7 +180,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != DECODE or seq not in self.running:
                 continue
-            while not self._grow(seq, seq.num_computed + 1):
+            while not self.grow(seq, seq.num_computed + 1):
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted.append(victim)
@@ -245,7 +245,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> Chunk | None:
         remaining = len(seq.tokens) - seq.num_computed
         n = min(remaining, budget)
-        while n > 0 and not self._grow(seq, seq.num_computed + n):
+        while n > 0 and not self.grow(seq, seq.num_computed + n):
             n = min(n, (len(seq.blocks) * self.config.block_size) - seq.num_computed)
             if n <= 0:
                 return None

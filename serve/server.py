@@ -367,6 +367,7 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
     @app.get("/metrics")
     async def metrics():
         m, h = engine.metrics, engine.health()
+        st, occ = engine.registry.stats, engine.registry.occupancy()
         with http.lock:
             responses = [({"path": p, "code": str(c)}, n) for (p, c), n in sorted(http.responses.items())]
         fams = [
@@ -393,6 +394,31 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
             ("preft_adapter_loads_total", "counter", "run-time adapter loads, by outcome",
              [({"outcome": k}, n) for k, n in sorted(http.adapter_loads.items())]),
             ("preft_engine_wedged", "gauge", "1 when the engine loop is stuck or dead", [({}, int(h["wedged"]))]),
+            ("preft_requests_by_mode_total", "counter", "requests accepted, by serving mode",
+             [({"mode": k}, n) for k, n in sorted(m.by_mode.items())]),
+            ("preft_kv_blocks", "gauge", "KV-cache blocks in the pool", [({}, h["kv_blocks"])]),
+            ("preft_kv_blocks_used", "gauge", "KV-cache blocks held by sequences", [({}, h["kv_blocks_used"])]),
+            ("preft_prefix_cache_hits_total", "counter", "KV blocks served from the prefix cache",
+             [({}, engine.pool.stats.hits)]),
+            ("preft_prefix_cache_misses_total", "counter", "cacheable KV blocks computed",
+             [({}, engine.pool.stats.misses)]),
+            ("preft_prefix_cache_evictions_total", "counter", "cached KV blocks evicted", [({}, engine.pool.stats.evictions)]),
+            ("preft_preemptions_total", "counter", "sequences preempted (recomputed later) when the KV pool ran out",
+             [({}, engine.scheduler.preemptions)]),
+            ("preft_adapter_cache_hits_total", "counter", "adapter lookups by tier that found it resident",
+             [({"tier": "host"}, st.host_hits), ({"tier": "device"}, st.device_hits)]),
+            ("preft_adapter_cache_misses_total", "counter", "adapter lookups by tier that had to load it",
+             [({"tier": "host"}, st.host_misses), ({"tier": "device"}, st.device_misses)]),
+            ("preft_adapter_cache_evictions_total", "counter", "adapters evicted, by tier",
+             [({"tier": "host"}, st.host_evictions), ({"tier": "device"}, st.device_evictions)]),
+            ("preft_adapter_load_failures_total", "counter", "adapter loads that failed", [({}, st.load_failures)]),
+            ("preft_adapter_load_seconds", "histogram", "disk -> host adapter load latency", [({}, st.load_seconds)]),
+            ("preft_device_adapter_slots", "gauge", "device adapter bank slots", [({}, occ["device_slots"])]),
+            ("preft_device_adapter_slots_pinned", "gauge", "device slots pinned by running prefills (PreFT) or requests",
+             [({}, occ["device_pinned"])]),
+            ("preft_device_adapter_slots_resident", "gauge", "device slots holding an adapter",
+             [({}, occ["device_resident"])]),
+            ("preft_host_adapter_bytes", "gauge", "host memory held by loaded adapters", [({}, occ["host_bytes"])]),
             ("preft_time_to_first_token_seconds", "histogram", "submit to first token", [({}, m.ttft)]),
             ("preft_inter_token_seconds", "histogram", "time between a request's tokens", [({}, m.inter_token)]),
         ]

@@ -101,7 +101,7 @@ def test_poisoned_prefill_fails_only_its_request(model):
 
 def test_prefill_failure_that_consumes_the_cache_recomputes_the_running(model):
     want = _alone(model, [3, 4, 5], "a", 20)
-    eng, faults = _engine(model, max_prefill_seqs=1)
+    eng, faults = _engine(model, max_prefill_seqs=1, num_scheduler_steps=1)   # one token per step
     faults.consume_cache = True
     running = eng.submit([3, 4, 5], "a", _sp(20))
     eng.step()
