@@ -12,8 +12,6 @@ the plain base model.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,11 +35,22 @@ def paged_forward(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCach
     return model.logits(last), cache
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
-def paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids, prompt_lengths,
-               temperature, top_p, top_k, key):
+def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids, prompt_lengths,
+                temperature, top_p, top_k, key):
     logits, cache = paged_forward(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
     return sample(logits, key, temperature, top_p, top_k), cache
+
+
+paged_step = jax.jit(_paged_step, static_argnums=0, donate_argnames=("cache",))
+
+
+def sharded_paged_step(mesh: jax.sharding.Mesh, cache_shardings):
+    """`paged_step` for a mesh, with explicit out_shardings: the sampled tokens replicated and the
+    donated cache in `cache_shardings` (its declared sharding, `preft_jax.sharding.cache_shardings`).
+    The inputs (weights, cache, bank) arrive placed by their declared axes. Call it under
+    `jax.set_mesh(mesh)` so the model's activation constraints apply."""
+    return jax.jit(_paged_step, static_argnums=0, donate_argnames=("cache",),
+                   out_shardings=(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), cache_shardings))
 
 
 paged_logits = jax.jit(paged_forward, static_argnums=0, donate_argnames=("cache",))
