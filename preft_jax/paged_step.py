@@ -12,6 +12,8 @@ the plain base model.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -44,13 +46,20 @@ def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache,
 paged_step = jax.jit(_paged_step, static_argnums=0, donate_argnames=("cache",))
 
 
-def sharded_paged_step(mesh: jax.sharding.Mesh, cache_shardings):
+def sharded_paged_step(mesh: jax.sharding.Mesh, cache_shardings: PagedKVCache):
     """`paged_step` for a mesh, with explicit out_shardings: the sampled tokens replicated and the
     donated cache in `cache_shardings` (its declared sharding, `preft_jax.sharding.cache_shardings`).
     The inputs (weights, cache, bank) arrive placed by their declared axes. Call it under
-    `jax.set_mesh(mesh)` so the model's activation constraints apply."""
+    `jax.set_mesh(mesh)` so the model's activation constraints apply. One jitted function (and
+    compile cache) per (mesh, cache sharding)."""
+    return _sharded_paged_step(mesh, cache_shardings.k.spec, cache_shardings.v.spec)
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_paged_step(mesh, k_spec, v_spec):
+    named = functools.partial(jax.sharding.NamedSharding, mesh)
     return jax.jit(_paged_step, static_argnums=0, donate_argnames=("cache",),
-                   out_shardings=(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), cache_shardings))
+                   out_shardings=(named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec))))
 
 
 paged_logits = jax.jit(paged_forward, static_argnums=0, donate_argnames=("cache",))
