@@ -13,6 +13,12 @@ Adapters enter through an `AdapterBank` (weights, scanned per layer) and an `Ada
 one backend-independent call `ctx.lora(x, A, B)`, each layer with ReFT one `ctx.reft(...)`.
 Passing `bank=None` compiles the plain base model.
 
+Sharding: every weight declares its logical axes where it is created (`param(value, axes)`, an
+nnx.Param with `out_sharding` metadata), and the layer body constrains its activations by logical
+axes (`preft_jax.sharding.constrain`: a no-op unless a mesh is set with `jax.set_mesh`); the rules
+table in preft_jax.sharding maps both onto the mesh. Returned caches are constrained to their
+declared axes.
+
 dtype (float32 | bfloat16) is the weights' and activations' dtype; RMSNorm statistics, RoPE, the
 attention softmax, the logits and the LoRA shrink accumulation are float32 whatever the dtype.
 """
