@@ -3,6 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 
+# Logical axis names of every LoRA-targetable projection's (input, output) dimension, keyed like
+# `ModelConfig.projection_dims`. Model weights, adapter banks and trainable adapters declare their
+# shardings from this table (see preft_jax.sharding for the logical -> mesh rules).
+PROJECTION_AXES: dict[str, tuple[str, str]] = {
+    "q": ("embed", "q_heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
+    "o": ("q_heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed"),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from preft_jax import sharding as shd
 from preft_jax.adapters.bank import AdapterBank
 from preft_jax.adapters.positions import token_adapter_index
 from preft_jax.kv_cache import KVCache
@@ -114,19 +115,57 @@ def bucket_length(n: int, minimum: int = 16) -> int:
 
 
 class ModelRunner:
-    """A split model (graphdef + state, split once) with the jitted prefill/decode core."""
+    """A split model (graphdef + state, split once) with the jitted prefill/decode core.
 
-    def __init__(self, model: Llama):
+    `mesh` (optional, axes ("data", "fsdp", "tensor"), see preft_jax.sharding): the weights are
+    placed by their declared logical axes, caches and banks handed to the steps are placed the same
+    way, and the steps run under `jax.set_mesh(mesh)`, so the model's activation constraints apply
+    and the returned caches keep their declared shardings."""
+
+    def __init__(self, model: Llama, mesh: jax.sharding.Mesh | None = None):
         self.cfg = model.cfg
         self.dtype = model.dtype
         self.adapter_backend = model.adapter_backend
         self.graphdef, self.state = nnx.split(model)
+        self.mesh = None
+        if mesh is not None:
+            self.mesh = mesh
+            self.state = shd.shard_model_state(self.state, mesh, self.cfg)
+
+    def with_mesh(self, mesh: jax.sharding.Mesh | None) -> "ModelRunner":
+        """This runner with its weights placed on `mesh` (self when it is the runner's mesh already)."""
+        if mesh is self.mesh or (mesh is not None and mesh == self.mesh):
+            return self
+        new = object.__new__(ModelRunner)
+        new.__dict__.update(self.__dict__)
+        new.mesh = mesh
+        new.state = (jax.device_put(self.state, jax.devices()[0]) if mesh is None
+                     else shd.shard_model_state(self.state, mesh, self.cfg))
+        return new
+
+    def mesh_context(self):
+        """`jax.set_mesh(self.mesh)` (activation sharding constraints on), or nothing without a mesh."""
+        return shd.use_mesh(self.mesh)
+
+    def place_cache(self, cache):
+        """A KV cache (KVCache or PagedKVCache) placed by its declared axes (unchanged without a mesh)."""
+        return cache if self.mesh is None else jax.device_put(cache, shd.cache_shardings(cache, self.mesh, self.cfg))
+
+    def place_bank(self, bank):
+        """An AdapterBank placed by its declared axes (unchanged without a mesh or bank)."""
+        if bank is None or self.mesh is None:
+            return bank
+        return jax.device_put(bank, shd.bank_shardings(bank, self.mesh, self.cfg))
 
     def prefill(self, tokens, prompt_lengths, slot_ids, cache, bank=None, adapter_ids=None):
-        return prefill_step(self.graphdef, self.state, tokens, prompt_lengths, slot_ids, cache, bank, adapter_ids)
+        with self.mesh_context():
+            return prefill_step(self.graphdef, self.state, tokens, prompt_lengths, slot_ids, cache, bank,
+                                adapter_ids)
 
     def decode(self, tokens, positions, cache, bank=None, adapter_ids=None, prompt_lengths=None):
-        return decode_step(self.graphdef, self.state, tokens, positions, cache, bank, adapter_ids, prompt_lengths)
+        with self.mesh_context():
+            return decode_step(self.graphdef, self.state, tokens, positions, cache, bank, adapter_ids,
+                               prompt_lengths)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, cache_len: int | None = None):
         limit = self.cfg.max_seq_len if cache_len is None else min(cache_len, self.cfg.max_seq_len)
@@ -165,7 +204,8 @@ class ModelRunner:
         if decode_with_adapters is None:
             decode_with_adapters = bank is not None and bool(np.any(np.asarray(bank.all_tokens)[np.asarray(adapter_ids)]))
         plen = jnp.asarray(lengths, jnp.int32)
-        cache = KVCache.create(self.cfg, B, cache_len, self.dtype)
+        cache = self.place_cache(KVCache.create(self.cfg, B, cache_len, self.dtype))
+        bank = self.place_bank(bank)
         logits, cache = self.prefill(jnp.asarray(tokens), plen, jnp.arange(B, dtype=jnp.int32), cache,
                                      bank, adapter_ids)
         key = jax.random.key(0) if key is None else key
@@ -176,9 +216,10 @@ class ModelRunner:
         first = sample(logits, sub, temp, top_p, top_k)
         stop = tuple(sampling.stop_token_ids) or tuple(self.cfg.eos_token_ids) or (-1,)
         dbank = bank if decode_with_adapters else None
-        out = _decode_loop(self.graphdef, self.state, cache, first, plen, dbank,
-                           adapter_ids if dbank is not None else None, key, temp, top_p, top_k,
-                           jnp.asarray(stop, jnp.int32), sampling.max_new_tokens)
+        with self.mesh_context():
+            out = _decode_loop(self.graphdef, self.state, cache, first, plen, dbank,
+                               adapter_ids if dbank is not None else None, key, temp, top_p, top_k,
+                               jnp.asarray(stop, jnp.int32), sampling.max_new_tokens)
         return [_trim(row, stop) for row in np.asarray(out)]
 
 

@@ -15,6 +15,11 @@ class KVCache:
     k: jax.Array   # [n_layers, n_slots, max_len, n_kv_heads, head_dim]
     v: jax.Array
 
+    AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")     # logical axes (preft_jax.sharding)
+
+    def logical_axes(self) -> "KVCache":
+        return KVCache(self.AXES, self.AXES)
+
     @property
     def n_slots(self) -> int:
         return self.k.shape[1]

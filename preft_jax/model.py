@@ -13,6 +13,12 @@ Adapters enter through an `AdapterBank` (weights, scanned per layer) and an `Ada
 one backend-independent call `ctx.lora(x, A, B)`, each layer with ReFT one `ctx.reft(...)`.
 Passing `bank=None` compiles the plain base model.
 
+Sharding: every weight declares its logical axes where it is created (`param(value, axes)`, an
+nnx.Param with `out_sharding` metadata), and the layer body constrains its activations by logical
+axes (`preft_jax.sharding.constrain`: a no-op unless a mesh is set with `jax.set_mesh`); the rules
+table in preft_jax.sharding maps both onto the mesh. Returned caches are constrained to their
+declared axes.
+
 dtype (float32 | bfloat16) is the weights' and activations' dtype; RMSNorm statistics, RoPE, the
 attention softmax, the logits and the LoRA shrink accumulation are float32 whatever the dtype.
 """
@@ -25,8 +31,9 @@ from flax import nnx
 
 from preft_jax.adapters.bank import AdapterBank, LayerAdapters
 from preft_jax.adapters.context import AdapterContext, resolve_backend
-from preft_jax.config import ModelConfig
+from preft_jax.config import PROJECTION_AXES, ModelConfig
 from preft_jax import paged_kv
+from preft_jax import sharding as shd
 from preft_jax.kv_cache import KVCache
 from preft_jax.paged_kv import PagedBatch, PagedKVCache
 from preft_jax.rope import apply_rope, inverse_frequencies
@@ -36,6 +43,11 @@ LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up
 PROJECTION_TARGET = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w_gate": "gate", "w_up": "up",
                      "w_down": "down"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Logical axes of the activations (preft_jax.sharding.RULES): [B, T, d], [B, T, H, hd], [B, T, ffn].
+H_AXES = ("batch", "seq", "act_embed")
+Q_AXES = ("batch", "seq", "q_heads", "head_dim")
+KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+MLP_AXES = ("batch", "seq", "mlp")
 # Optional q/k/v biases [n_layers, out] (ModelConfig.qkv_bias, e.g. Qwen2), added after the projection.
 BIAS_PARAMS = {"wq": "bq", "wk": "bk", "wv": "bv"}
 
@@ -56,6 +68,11 @@ def model_dtype(dtype):
     raise ValueError(f"model dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
 
 
+def param(value, axes: tuple) -> nnx.Param:
+    """A weight with the logical name of each dimension declared (see preft_jax.sharding.RULES)."""
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
 def rms_norm(x, scale, eps):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -69,17 +86,18 @@ class LayerStack(nnx.Module):
         L, d = cfg.n_layers, cfg.d_model
         dims = cfg.projection_dims()
 
-        def dense(shape, fan_in):
-            return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * (fan_in ** -0.5))
+        def dense(shape, fan_in, axes):
+            return param(jax.random.normal(rngs.params(), shape, dtype) * (fan_in ** -0.5), ("layers",) + axes)
 
-        self.attn_norm = nnx.Param(jnp.ones((L, d), dtype))
-        self.mlp_norm = nnx.Param(jnp.ones((L, d), dtype))
+        self.attn_norm = param(jnp.ones((L, d), dtype), ("layers", "norm"))
+        self.mlp_norm = param(jnp.ones((L, d), dtype), ("layers", "norm"))
         for name, target in PROJECTION_TARGET.items():
             d_in, d_out = dims[target]
-            setattr(self, name, dense((L, d_in, d_out), d_in))
+            setattr(self, name, dense((L, d_in, d_out), d_in, PROJECTION_AXES[target]))
         if cfg.qkv_bias:
             for name, bias in BIAS_PARAMS.items():
-                setattr(self, bias, nnx.Param(jnp.zeros((L, dims[PROJECTION_TARGET[name]][1]), dtype)))
+                target = PROJECTION_TARGET[name]
+                setattr(self, bias, param(jnp.zeros((L, dims[target][1]), dtype), ("layers", PROJECTION_AXES[target][1])))
 
     def stacked(self) -> dict:
         names = LAYER_PARAMS + tuple(b for b in BIAS_PARAMS.values() if hasattr(self, b))
@@ -92,12 +110,14 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.adapter_backend = resolve_backend(adapter_backend)     # "auto" resolved here, static
-        self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), dtype) * 0.02)
+        self.embed = param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), dtype) * 0.02,
+                           ("vocab", "embed"))
         self.layers = LayerStack(cfg, rngs=rngs, dtype=dtype)
-        self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), dtype))
+        self.final_norm = param(jnp.ones((cfg.d_model,), dtype), ("norm",))
         if not cfg.tie_embeddings:
-            self.lm_head = nnx.Param(
-                jax.random.normal(rngs.params(), (cfg.d_model, cfg.vocab_size), dtype) * cfg.d_model ** -0.5)
+            self.lm_head = param(
+                jax.random.normal(rngs.params(), (cfg.d_model, cfg.vocab_size), dtype) * cfg.d_model ** -0.5,
+                ("embed", "vocab"))
         self._inv_freq = tuple(float(f) for f in inverse_frequencies(cfg))   # static, hashable
 
     # ---- weights -------------------------------------------------------------------------------
@@ -151,20 +171,28 @@ class Llama(nnx.Module):
         q = self._project(x, p["wq"], "wq", adapters, ctx, p.get("bq")).reshape(B, T, cfg.n_heads, cfg.head_dim)
         k = self._project(x, p["wk"], "wk", adapters, ctx, p.get("bk")).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = self._project(x, p["wv"], "wv", adapters, ctx, p.get("bv")).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-        q = apply_rope(q, positions, self._inv_freq)
-        k = apply_rope(k, positions, self._inv_freq)
+        q = self._constrain(apply_rope(q, positions, self._inv_freq), Q_AXES)
+        k = self._constrain(apply_rope(k, positions, self._inv_freq), KV_AXES)
+        v = self._constrain(v, KV_AXES)
         res = attend(layer, q, k, v, cache)
-        attn, cache = res[0], res[1]
+        attn, cache = self._constrain(res[0], Q_AXES), res[1]
         y = res[2] if len(res) > 2 else None
-        h = h + self._project(attn.reshape(B, T, cfg.q_dim), p["wo"], "wo", adapters, ctx)
+        h = self._constrain(h + self._project(attn.reshape(B, T, cfg.q_dim), p["wo"], "wo", adapters, ctx), H_AXES)
         x = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-        gate = self._project(x, p["w_gate"], "w_gate", adapters, ctx)
-        up = self._project(x, p["w_up"], "w_up", adapters, ctx)
-        h = h + self._project(jax.nn.silu(gate) * up, p["w_down"], "w_down", adapters, ctx)
+        gate = self._constrain(self._project(x, p["w_gate"], "w_gate", adapters, ctx), MLP_AXES)
+        up = self._constrain(self._project(x, p["w_up"], "w_up", adapters, ctx), MLP_AXES)
+        h = self._constrain(h + self._project(jax.nn.silu(gate) * up, p["w_down"], "w_down", adapters, ctx), H_AXES)
         if adapters is not None and adapters.reft_R is not None:
             # ReFT edits the residual stream after this layer (zero R = identity for other layers).
             h = ctx.reft(h, adapters.reft_R, adapters.reft_W, adapters.reft_b, reft_subtract)
         return h, cache, y
+
+    def _constrain(self, x, axes):
+        """Activation sharding by logical axes; a no-op without a mesh (`jax.set_mesh`)."""
+        return shd.constrain(x, axes, shd.axis_units(self.cfg))
+
+    def _constrain_cache(self, cache):
+        return None if cache is None else shd.constrain_tree(cache, shd.axis_units(self.cfg), "cache")
 
     def _attention(self, q, k, v, mask):
         """q: [B, T, H, hd]; k, v: [B, S, KV, hd]; mask: bool [B, T, S] -> [B, T, H, hd]."""
@@ -229,8 +257,9 @@ class Llama(nnx.Module):
                             c.v.at[layer, slots, positions].set(v.astype(c.v.dtype), mode="drop"))
             return self._attention(q, k, v, causal), c
 
-        h = self.embed[...][tokens].astype(self.dtype)
-        return self._scan_layers(h, bank, ctx, positions, attend, cache)
+        h = self._constrain(self.embed[...][tokens].astype(self.dtype), H_AXES)
+        h, cache = self._scan_layers(h, bank, ctx, positions, attend, cache)
+        return h, self._constrain_cache(cache)
 
     def decode(self, tokens, positions, cache: KVCache, bank: AdapterBank | None = None,
                ctx: AdapterContext | None = None):
@@ -250,9 +279,9 @@ class Llama(nnx.Module):
             out = self._attention(q, kk[layer].astype(q.dtype), vv[layer].astype(q.dtype), mask)
             return out, KVCache(kk, vv)
 
-        h = self.embed[...][tokens[:, None]].astype(self.dtype)
+        h = self._constrain(self.embed[...][tokens[:, None]].astype(self.dtype), H_AXES)
         h, cache = self._scan_layers(h, bank, ctx, positions[:, None], attend, cache)
-        return self.logits(h[:, 0]), cache
+        return self.logits(h[:, 0]), self._constrain_cache(cache)
 
     def forward_paged(self, tokens, batch: PagedBatch, cache: PagedKVCache, bank: AdapterBank | None = None,
                       ctx: AdapterContext | None = None):
@@ -263,7 +292,7 @@ class Llama(nnx.Module):
         R, C = tokens.shape
         self._check_context(bank, ctx, R * C)
         positions = batch.positions
-        h = self.embed[...][tokens].astype(self.dtype)
+        h = self._constrain(self.embed[...][tokens].astype(self.dtype), H_AXES)
         if batch.attention.startswith("kernel:"):
             if C != 1:
                 raise ValueError("the paged-attention kernels decode one token per row (C == 1)")
@@ -279,14 +308,14 @@ class Llama(nnx.Module):
 
             h, _, (k_new, v_new) = self._scan_layers(h, bank, ctx, positions, attend, None,
                                                      layer_xs=(cache.k, cache.v), with_ys=True)
-            return h, PagedKVCache(k_new, v_new)
+            return h, self._constrain_cache(PagedKVCache(k_new, v_new))
 
         def attend(layer, q, k, v, c):
             out = paged_kv.gather_attention(q, k, v, cache.k, cache.v, batch, layer)
             return out, c, (k, v)
 
         h, _, (k_new, v_new) = self._scan_layers(h, bank, ctx, positions, attend, None, with_ys=True)
-        return h, paged_kv.write_kv(cache, k_new, v_new, batch.write_index)
+        return h, self._constrain_cache(paged_kv.write_kv(cache, k_new, v_new, batch.write_index))
 
     @staticmethod
     def _check_context(bank, ctx, num_tokens):

@@ -43,6 +43,11 @@ class PagedKVCache:
     k: jax.Array    # [L, KV, num_blocks, block_size, hd]
     v: jax.Array
 
+    AXES = ("layers", "kv_heads", "kv_blocks", "block", "head_dim")   # logical axes (preft_jax.sharding)
+
+    def logical_axes(self) -> "PagedKVCache":
+        return PagedKVCache(self.AXES, self.AXES)
+
     @property
     def num_blocks(self) -> int:
         return self.k.shape[2]

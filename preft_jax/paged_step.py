@@ -37,11 +37,29 @@ def paged_forward(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCach
     return model.logits(last), cache
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
-def paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids, prompt_lengths,
-               temperature, top_p, top_k, key):
+def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids, prompt_lengths,
+                temperature, top_p, top_k, key):
     logits, cache = paged_forward(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
     return sample(logits, key, temperature, top_p, top_k), cache
+
+
+paged_step = jax.jit(_paged_step, static_argnums=0, donate_argnames=("cache",))
+
+
+def sharded_paged_step(mesh: jax.sharding.Mesh, cache_shardings: PagedKVCache):
+    """`paged_step` for a mesh, with explicit out_shardings: the sampled tokens replicated and the
+    donated cache in `cache_shardings` (its declared sharding, `preft_jax.sharding.cache_shardings`).
+    The inputs (weights, cache, bank) arrive placed by their declared axes. Call it under
+    `jax.set_mesh(mesh)` so the model's activation constraints apply. One jitted function (and
+    compile cache) per (mesh, cache sharding)."""
+    return _sharded_paged_step(mesh, cache_shardings.k.spec, cache_shardings.v.spec)
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_paged_step(mesh, k_spec, v_spec):
+    named = functools.partial(jax.sharding.NamedSharding, mesh)
+    return jax.jit(_paged_step, static_argnums=0, donate_argnames=("cache",),
+                   out_shardings=(named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec))))
 
 
 paged_logits = jax.jit(paged_forward, static_argnums=0, donate_argnames=("cache",))

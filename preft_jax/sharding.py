@@ -1,17 +1,33 @@
-"""Logical sharding rules: parameter / adapter / cache / batch names -> PartitionSpecs.
+"""Sharding: logical axis names declared where arrays are created, one logical -> mesh rules table.
 
-The mesh has three named axes:
+Every model, adapter, bank and cache array declares the *logical* name of each of its dimensions
+where it is created (MaxText / Tunix style):
+
+* model weights: `nnx.Param(..., out_sharding=("layers", "embed", "q_heads"), eager_sharding=False)`
+  in `preft_jax.model` (read back from the Variable metadata);
+* `AdapterBank.logical_axes()`, `KVCache.logical_axes()`, `PagedKVCache.logical_axes()` (same pytree,
+  tuples of names at the leaves), and `preft_jax.adapters.trainable.param_axes(params)` for the
+  trainable single-adapter dicts;
+* activations: `constrain(x, axes, units)` inside the model (`jax.lax.with_sharding_constraint`;
+  a no-op unless a mesh is set with `jax.set_mesh`).
+
+`RULES` is the one table that maps a logical name to mesh axes. The mesh has three named axes:
 
 * ``data``   - pure data parallelism (batch split, weights replicated),
-* ``fsdp``   - batch split *and* weights sharded on their model (``d_model``) dimension,
+* ``fsdp``   - batch split *and* weights sharded on their model (``embed`` = ``d_model``) dimension,
 * ``tensor`` - tensor (Megatron-style) parallelism on heads / ffn / vocab dimensions.
 
-Rules are a table of ``(regex, spec)`` pairs matched (first match wins, ``re.search``) against a
-"/"-joined path of names such as ``layers/wq`` (model state), ``A/q`` (trainable LoRA params),
-``lora_A/q`` (an AdapterBank) or ``k`` (a KV cache). A spec lists one entry per array dimension:
-an axis name, a tuple of axis names, or None. `spec_for` applies a divisibility fallback: a
-dimension whose size the (product of the) mesh axes does not divide is replicated, trying a
-shorter prefix of an axis tuple first.
+An array whose path has no declared axes, or a logical name without a rule, is an error naming the
+path (never silently replicated).
+
+Divisibility (explicit): head axes (``q_heads``, ``kv_heads``) are split by *whole heads*: they need
+the head counts (`axis_units(cfg)`), also for the fused ``[.., n_heads * head_dim]`` weight
+dimensions. A dimension whose unit count the mesh axes do not divide falls back to the longest
+prefix of its mesh-axis tuple that divides (batch: ("data", "fsdp") -> "data"), else it is
+**replicated, with a logged warning** (once per message). E.g. SmolLM2-135M (9 query heads, 3 KV
+heads) at tensor=2: wq/wk/wv/wo, the q/k/v activations and the KV cache are replicated over
+"tensor" while the MLP (ffn 1536) and the vocabulary (49152) are split. Batch dimensions fall back
+silently (a batch of 6 rows on 8 devices is normal). Mesh axes of size 1 are left out of the specs.
 
 Everything here is plain pjit style: build ``NamedSharding`` pytrees with the ``*_shardings``
 helpers, place arrays with ``jax.device_put`` (``shard_*``), and pass the same pytrees as
@@ -19,56 +35,56 @@ helpers, place arrays with ``jax.device_put`` (``shard_*``), and pass the same p
 """
 from __future__ import annotations
 
-import re
-from typing import Any, Sequence
+import contextlib
+import logging
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+log = logging.getLogger("preft_jax.sharding")
+
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")          # the batch dimension is split over both data-parallel axes
 
-Rule = tuple[str, tuple]
+# The one logical -> mesh rules table. Values: a mesh axis, a tuple of mesh axes, or None (replicated).
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    # weights
+    "vocab": "tensor",          # embedding rows / lm_head columns
+    "embed": "fsdp",            # d_model of a weight (all-gathered layer by layer inside the scan)
+    "q_heads": "tensor",        # query heads (fused: n_heads * head_dim), whole heads only
+    "kv_heads": "tensor",       # key/value heads (weights, caches, activations), whole heads only
+    "mlp": "tensor",            # ffn_dim
+    "layers": None,             # the stacked layer axis (scanned)
+    "norm": None,               # RMSNorm scales
+    # adapters
+    "adapters": None,           # bank slots
+    "rank": None,               # LoRA / ReFT rank
+    # caches and activations
+    "batch": BATCH,             # sequences / rows / KVCache slots
+    "seq": None,                # positions
+    "head_dim": None,
+    "act_embed": None,          # d_model of activations (the residual stream)
+    "kv_blocks": None,          # paged KV pool blocks (shared by every row)
+    "block": None,              # tokens within a KV block
+}
+HEAD_AXES = ("q_heads", "kv_heads")
 
-# Model state (`nnx.split(Llama)` state; layer weights stacked on a leading [L] axis).
-MODEL_RULES: tuple[Rule, ...] = (
-    (r"(^|/)embed$", ("tensor", "fsdp")),                       # [V, d]
-    (r"(^|/)lm_head$", ("fsdp", "tensor")),                     # [d, V]
-    (r"(^|/)final_norm$", (None,)),                             # [d]
-    (r"layers/(attn_norm|mlp_norm)$", (None, None)),            # [L, d]
-    (r"layers/(wq|wk|wv|w_gate|w_up)$", (None, "fsdp", "tensor")),   # [L, d, out]
-    (r"layers/(wo|w_down)$", (None, "tensor", "fsdp")),         # [L, in, d]
-)
+Axes = tuple   # one logical name (or None) per dimension
 
-# Trainable single-adapter params (`preft_jax.adapters.trainable`): LoRA {"A": {t}, "B": {t}},
-# ReFT {"R", "W", "b"}. LoRA A follows the input dim of the base weight, B its output dim.
-ADAPTER_RULES: tuple[Rule, ...] = (
-    (r"(^|/)A/(q|k|v|gate|up)$", (None, "fsdp", None)),         # [L, d, r]
-    (r"(^|/)A/(o|down)$", (None, "tensor", None)),              # [L, q_dim | ffn, r]
-    (r"(^|/)B/(q|k|v|gate|up)$", (None, None, "tensor")),       # [L, r, out]
-    (r"(^|/)B/(o|down)$", (None, None, "fsdp")),                # [L, r, d]
-    (r"(^|/)(R|W)$", (None, None, "fsdp")),                     # [L, r, d]
-    (r"(^|/)b$", (None, None)),                                 # [L, r]
-)
+_warned: set[str] = set()
 
-# An AdapterBank (slot axis after the layer axis; small per-slot vectors replicated).
-BANK_RULES: tuple[Rule, ...] = (
-    (r"(^|/)lora_A/(q|k|v|gate|up)$", (None, None, "fsdp", None)),   # [L, N, d, r]
-    (r"(^|/)lora_A/(o|down)$", (None, None, "tensor", None)),
-    (r"(^|/)lora_B/(q|k|v|gate|up)$", (None, None, None, "tensor")), # [L, N, r, out]
-    (r"(^|/)lora_B/(o|down)$", (None, None, None, "fsdp")),
-    (r"(^|/)reft_(R|W)$", (None, None, None, "fsdp")),          # [L, N, r, d]
-    (r"(^|/)reft_b$", (None, None, None)),                      # [L, N, r]
-    (r"(^|/)(reft_subtract|all_tokens|first_k|last_k)$", (None,)),
-)
 
-# KVCache: k, v [L, slots, S, kv_heads, head_dim] - slots split like a batch, heads on tensor.
-CACHE_RULES: tuple[Rule, ...] = (
-    (r"(^|/)(k|v)$", (None, BATCH, None, "tensor", None)),
-)
+def axis_units(cfg) -> dict[str, int]:
+    """Unit counts of the head axes (a fused head dimension is split only at head boundaries)."""
+    return {"q_heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads}
 
-DEFAULT_RULES: tuple[Rule, ...] = MODEL_RULES + ADAPTER_RULES + BANK_RULES + CACHE_RULES
+
+def _warn_once(msg: str):
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
 
 
 # ------------------------------------------------------------------------------------------ mesh
@@ -81,43 +97,115 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence |
     return Mesh(np.asarray(devices[:n]).reshape(data, fsdp, tensor), AXES)
 
 
-def _axis_size(mesh: Mesh, axis) -> int:
-    if axis is None:
-        return 1
-    names = axis if isinstance(axis, tuple) else (axis,)
-    return int(np.prod([mesh.shape[a] for a in names]))
+def parse_mesh(spec: str | None) -> dict[str, int]:
+    """'data=2,tensor=4' -> {"data": 2, "fsdp": 1, "tensor": 4}; None / '' -> all 1."""
+    out = {a: 1 for a in AXES}
+    seen = set()
+    for part in (spec or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in AXES:
+            raise ValueError(f"mesh takes AXIS=N[,AXIS=N] with AXIS in {AXES}, got {part!r}")
+        if name in seen:
+            raise ValueError(f"mesh axis {name!r} given twice")
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"mesh axis {name}: size must be a positive integer, got {value!r}")
+        seen.add(name)
+        out[name] = n
+    return out
 
 
-def fit_spec(spec: Sequence, shape: Sequence[int], mesh: Mesh) -> P:
-    """`spec` (one entry per dim) with every entry that does not divide its dim replaced.
+def mesh_from_spec(spec: str | None, devices: Sequence | None = None) -> Mesh:
+    """The mesh of `parse_mesh(spec)`; its size must equal the number of devices."""
+    shape = parse_mesh(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    n = int(np.prod(list(shape.values())))
+    if n != len(devices):
+        desc = ",".join(f"{a}={shape[a]}" for a in AXES)
+        raise ValueError(f"mesh {desc} has {n} devices but {len(devices)} are available "
+                         f"({jax.default_backend()}); the mesh must use every device")
+    return make_mesh(shape["data"], shape["fsdp"], shape["tensor"], devices)
 
-    A tuple entry falls back to its longest prefix that divides, then to None (replicated).
-    Extra spec entries are dropped; missing ones are None. Axis names not in the mesh are dropped.
-    """
+
+def _mesh_shape(mesh) -> Mapping[str, int]:
+    return dict(mesh.shape)
+
+
+def _axis_size(shape: Mapping[str, int], names) -> int:
+    return int(np.prod([shape[a] for a in names])) if names else 1
+
+
+def fit_spec(spec: Sequence, shape: Sequence[int], mesh) -> P:
+    """`spec` (mesh axes per dim) with every entry that does not divide its dim replaced, silently.
+
+    A tuple entry falls back to its longest prefix that divides, then to None (replicated). Extra
+    entries are dropped; missing ones are None. Axis names not in the mesh (or of size 1) are dropped."""
+    ms = _mesh_shape(mesh)
     out = []
     for i, dim in enumerate(shape):
         axis = spec[i] if i < len(spec) else None
-        names = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
-        names = tuple(a for a in names if a in mesh.shape)
-        chosen = None
-        for k in range(len(names), 0, -1):
-            if dim % _axis_size(mesh, names[:k]) == 0:
-                chosen = names[:k] if k > 1 else names[0]
-                break
-        out.append(chosen)
+        out.append(_fit(axis, dim, ms, set())[0])
     while out and out[-1] is None:
         out.pop()
     return P(*out)
 
 
-def spec_for(name: str, shape: Sequence[int], mesh: Mesh, rules: Sequence[Rule] = DEFAULT_RULES) -> P:
-    """PartitionSpec for the array called `name` ("layers/wq", "A/q", ...); replicated when no rule matches."""
-    for pattern, spec in rules:
-        if re.search(pattern, name):
-            if len(spec) != len(shape):
-                raise ValueError(f"sharding rule {pattern!r} has {len(spec)} dims, {name} has shape {tuple(shape)}")
-            return fit_spec(spec, shape, mesh)
-    return P()
+def _mesh_names(target, ms: Mapping[str, int], used: set) -> tuple:
+    names = () if target is None else (target if isinstance(target, tuple) else (target,))
+    return tuple(a for a in names if a in ms and ms[a] > 1 and a not in used)
+
+
+def _fit(target, units: int, ms: Mapping[str, int], used: set):
+    """(spec entry, mesh axes dropped for divisibility) for one dimension of `units` units."""
+    names = _mesh_names(target, ms, used)
+    for k in range(len(names), 0, -1):
+        if units % _axis_size(ms, names[:k]) == 0:
+            used.update(names[:k])
+            return (names[:k] if k > 1 else names[0]), names[k:]
+    return None, names
+
+
+def logical_spec(axes: Sequence, shape: Sequence[int], mesh, units: Mapping[str, int] | None = None,
+                 where: str = "array", rules: Mapping = RULES) -> P:
+    """PartitionSpec of an array with logical `axes` (one name or None per dim) on `mesh` by `rules`.
+
+    `units`: unit counts of axes split by whole units (the head axes: `axis_units(cfg)`); a dimension
+    whose units the rule's mesh axes do not divide falls back to a dividing prefix, else is
+    replicated with a warning (batch dims: silently). A mesh axis is used at most once per spec."""
+    axes = tuple(axes)
+    if len(axes) != len(shape):
+        raise ValueError(f"{where}: {len(axes)} logical axes {axes} for shape {tuple(shape)}")
+    ms = _mesh_shape(mesh)
+    used: set = set()
+    out = []
+    for name, dim in zip(axes, shape):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise ValueError(f"{where}: logical axis {name!r} has no rule in preft_jax.sharding.RULES "
+                             f"(known: {sorted(rules)})")
+        n = dim
+        if name in HEAD_AXES and _mesh_names(rules[name], ms, used):
+            if units is None or name not in units:
+                raise ValueError(f"{where}: dimension {name!r} is split by whole heads; pass the model "
+                                 f"config (units=axis_units(cfg))")
+            n = units[name]
+        entry, dropped = _fit(rules[name], n, ms, used)
+        if dropped and name != "batch":
+            _warn_once(f"{where}: {name} ({n}) is not divisible by mesh axes {dropped} "
+                       f"(size {_axis_size(ms, dropped)}); replicated over them")
+        out.append(entry)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
 
 
 def path_name(path) -> str:
@@ -136,34 +224,108 @@ def path_name(path) -> str:
     return "/".join(parts)
 
 
-def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[Rule] = DEFAULT_RULES) -> Any:
-    """A pytree of NamedSharding, one per array leaf of `tree`, from the rules (same structure)."""
+# ------------------------------------------------------------------------------ declared axes
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
+
+
+def declared_axes(tree) -> dict[str, Axes]:
+    """{path: logical axes} of every array of `tree`, from where it was declared:
+
+    nnx State / Module (Variable `out_sharding` metadata), objects with `logical_axes()` (AdapterBank,
+    KVCache, PagedKVCache), trainable adapter dicts (`trainable.param_axes`)."""
+    from flax import nnx
+    if isinstance(tree, (nnx.State, nnx.Module)):
+        state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+        out = {}
+        leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        for path, var in leaves:
+            if isinstance(var, nnx.Variable):
+                out[path_name(path)] = var.get_metadata().get("out_sharding")
+        return out
+    if hasattr(tree, "logical_axes"):
+        axes_tree = tree.logical_axes()
+    elif isinstance(tree, dict):
+        from preft_jax.adapters.trainable import param_axes
+        axes_tree = param_axes(tree)
+    else:
+        raise TypeError(f"no logical axes are declared for a {type(tree).__name__}")
+    leaves = jax.tree_util.tree_flatten_with_path(axes_tree, is_leaf=_is_axes)[0]
+    return {path_name(p): a for p, a in leaves}
+
+
+def _specs(tree, mesh, units, what: str):
+    axes = declared_axes(tree)
+
     def one(path, x):
-        shape = np.shape(x)
-        return NamedSharding(mesh, spec_for(path_name(path), shape, mesh, rules))
+        name = path_name(path)
+        where = f"{what}{'/' if what and name else ''}{name}" or "array"
+        a = axes.get(name)
+        if a is None:
+            raise ValueError(f"{where}: no logical axes declared (see preft_jax.sharding); "
+                             f"refusing to replicate it silently")
+        return logical_spec(a, np.shape(x), mesh, units, where)
     return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def tree_specs(tree: Any, mesh, cfg=None, what: str = "") -> Any:
+    """A pytree of PartitionSpec, one per array leaf of `tree` (same structure), from its declared
+    axes; `cfg` (a ModelConfig) gives the head counts. A leaf without declared axes is an error."""
+    return _specs(tree, mesh, None if cfg is None else axis_units(cfg), what)
+
+
+def tree_shardings(tree: Any, mesh: Mesh, cfg=None, what: str = "") -> Any:
+    """A pytree of NamedSharding, one per array leaf of `tree` (same structure)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), tree_specs(tree, mesh, cfg, what),
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+# ---------------------------------------------------------------------------------- activations
+def constrain(x, axes: Sequence, units: Mapping[str, int] | None = None, where: str = "activation"):
+    """`jax.lax.with_sharding_constraint(x, spec of axes)` under a mesh set with `jax.set_mesh`;
+    `x` unchanged without one (single-device code is untouched)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh, units, where))
+
+
+def constrain_tree(tree, units: Mapping[str, int] | None = None, what: str = ""):
+    """`constrain` on every array of a tree with declared axes (e.g. a KV cache leaving a step)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tree
+    specs = _specs(tree, mesh, units, what)
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def use_mesh(mesh: Mesh | None):
+    """`jax.set_mesh(mesh)` as a context (activation constraints on), or nothing for mesh None."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
 # -------------------------------------------------------------------------------- model / adapter
-def model_state_shardings(state, mesh: Mesh, rules: Sequence[Rule] = MODEL_RULES):
-    return tree_shardings(state, mesh, rules)
+def model_state_shardings(state, mesh: Mesh, cfg=None):
+    """NamedShardings of a split `Llama` state (declared on its nnx.Params). `cfg` (its ModelConfig)
+    gives the head counts; it is required when a head axis meets a mesh axis of size > 1."""
+    return tree_shardings(state, mesh, cfg, "model")
 
 
-def shard_model_state(state, mesh: Mesh, rules: Sequence[Rule] = MODEL_RULES):
+def shard_model_state(state, mesh: Mesh, cfg=None):
     """The split model state with every weight placed as NamedSharding'ed arrays."""
-    return jax.device_put(state, model_state_shardings(state, mesh, rules))
+    return jax.device_put(state, model_state_shardings(state, mesh, cfg))
 
 
-def adapter_shardings(params, mesh: Mesh, rules: Sequence[Rule] = ADAPTER_RULES):
-    return tree_shardings(params, mesh, rules)
+def adapter_shardings(params, mesh: Mesh, cfg=None):
+    return tree_shardings(params, mesh, cfg, "adapter")
 
 
-def shard_adapter(params, mesh: Mesh, rules: Sequence[Rule] = ADAPTER_RULES):
-    return jax.device_put(params, adapter_shardings(params, mesh, rules))
+def shard_adapter(params, mesh: Mesh, cfg=None):
+    return jax.device_put(params, adapter_shardings(params, mesh, cfg))
 
 
 def optimizer_shardings(tx, opt_state, param_shardings, mesh: Mesh):
@@ -174,12 +336,12 @@ def optimizer_shardings(tx, opt_state, param_shardings, mesh: Mesh):
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def cache_shardings(cache, mesh: Mesh):
-    return tree_shardings(cache, mesh, CACHE_RULES)
+def cache_shardings(cache, mesh: Mesh, cfg=None):
+    return tree_shardings(cache, mesh, cfg, "cache")
 
 
-def bank_shardings(bank, mesh: Mesh):
-    return tree_shardings(bank, mesh, BANK_RULES)
+def bank_shardings(bank, mesh: Mesh, cfg=None):
+    return tree_shardings(bank, mesh, cfg, "bank")
 
 
 # ------------------------------------------------------------------------------------------ batch

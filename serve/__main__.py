@@ -8,7 +8,7 @@
                            [--api-key KEY] [--admin-key KEY] [--allow-unauthenticated-admin]
                            [--adapter-root DIR] [--max-queued 1024] [--request-timeout 600]
                            [--max-body-bytes 4194304] [--shutdown-grace 10] [--no-warmup]
-    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16]
+    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--mesh data=D,tensor=T]
 
 `--model tiny` is a small random-weight model with a UTF-8 byte tokenizer (demos, fault tests).
 
@@ -40,6 +40,17 @@ def _parse_adapters(specs: list[str]) -> dict[str, str]:
     return out
 
 
+def _parse_mesh(spec):
+    """--mesh data=D,tensor=T -> a jax Mesh over every device (None when not given)."""
+    if spec is None:
+        return None
+    from preft_jax.sharding import mesh_from_spec
+    try:
+        return mesh_from_spec(spec)
+    except ValueError as e:
+        raise CliError(f"--mesh: {e}") from None
+
+
 def _load_model(path):
     from preft_jax.loading import load_model
     if path == "tiny":
@@ -68,7 +79,7 @@ def _load_adapter_weights(cfg, folders: dict[str, str]) -> dict:
 
 
 def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank, reft_rank, mode, backend,
-                  dtype="float32", adapter_dir=None, host_cache_bytes=1 << 30, **engine_kw):
+                  dtype="float32", adapter_dir=None, host_cache_bytes=1 << 30, mesh=None, **engine_kw):
     """ModelRunner + AdapterRegistry (tiers) + Engine; engine_kw are EngineConfig fields."""
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
@@ -78,7 +89,7 @@ def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank,
     if max_len > cfg.max_seq_len:
         raise CliError(f"--max-model-len {max_len} exceeds the model's context {cfg.max_seq_len}")
     try:
-        runner = ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend))
+        runner = ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend), mesh=mesh)
         registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank, dtype=runner.dtype,
                                    adapter_dir=adapter_dir, host_cache_bytes=host_cache_bytes)
     except ValueError as e:
@@ -114,6 +125,7 @@ def cmd_generate(args) -> int:
         raise CliError("--max-tokens must be >= 1")
     if args.temperature < 0:
         raise CliError("--temperature must be >= 0")
+    mesh = _parse_mesh(args.mesh)
     cfg, params, tok = _load_model(args.model)
     weights = _load_adapter_weights(cfg, folders)
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
@@ -122,7 +134,7 @@ def cmd_generate(args) -> int:
         raise CliError(f"prompt of {len(prompt_ids)} tokens does not fit the context {cfg.max_seq_len}")
     lora_rank, reft_rank = _ranks(weights)
     engine = _build_engine(cfg, params, tok, weights, capacity=len(weights), lora_rank=lora_rank,
-                           reft_rank=reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype,
+                           reft_rank=reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype, mesh=mesh,
                            max_num_seqs=1, max_prefill_seqs=1, max_model_len=max_len,
                            max_num_batched_tokens=max(2, min(512, max_len)))
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
@@ -146,11 +158,12 @@ def cmd_server(args) -> int:
                                      shutdown_grace=args.shutdown_grace)
     except ValueError as e:
         raise CliError(str(e)) from None
+    mesh = _parse_mesh(args.mesh)
     cfg, params, tok = _load_model(args.model)
     weights = _load_adapter_weights(cfg, folders)
     engine = _build_engine(cfg, params, tok, weights, capacity=args.max_device_adapters, lora_rank=args.lora_rank,
                            reft_rank=args.reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype,
-                           adapter_dir=args.adapter_dir, host_cache_bytes=args.host_cache_bytes,
+                           adapter_dir=args.adapter_dir, host_cache_bytes=args.host_cache_bytes, mesh=mesh,
                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                            max_prefill_seqs=args.max_prefill_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
@@ -188,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="adapter backend (auto: pallas on TPU/GPU where the kernels lower, else xla; jnp on CPU)")
         sp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights, KV cache and adapter bank dtype")
+        sp.add_argument("--mesh", default=None, metavar="data=D,tensor=T",
+                        help="shard over every device: tensor-parallel heads/ffn/vocab, data-parallel rows "
+                             "(sizes default to 1; their product must equal the device count)")
 
     g = sub.add_parser("generate", help="print the completion of one chat prompt")
     common(g)

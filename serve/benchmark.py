@@ -227,7 +227,14 @@ def main(argv=None):
     ap.add_argument("--hf-adapters", type=int, default=4)
     ap.add_argument("--hf-repeats", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF PEFT peer")
+    ap.add_argument("--mesh", default=None, metavar="data=D,tensor=T",
+                    help="shard the engine over every device (see docs/serving.md, tensor-parallel serving)")
     args = ap.parse_args(argv)
+    from preft_jax.sharding import mesh_from_spec
+    try:
+        mesh = None if args.mesh is None else mesh_from_spec(args.mesh)
+    except ValueError as e:
+        ap.error(f"--mesh: {e}")
     t_start = time.perf_counter()
 
     if args.model == "tiny":
@@ -241,7 +248,7 @@ def main(argv=None):
         from preft_jax.loading import load_model
         cfg, params, _ = load_model(args.model)
         model = Llama.from_params(cfg, params, dtype=args.dtype, adapter_backend=args.backend)
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, mesh=mesh)
     work = Workload(slots=args.slots, requests=args.requests, prefill_batch=args.prefill_batch,
                     prompt_len=args.prompt_len, max_tokens=args.max_tokens, repeats=args.repeats,
                     lora_targets=tuple(args.lora_targets.split(",")), lora_rank=args.lora_rank,

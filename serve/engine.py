@@ -43,7 +43,8 @@ import numpy as np
 
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
-from preft_jax.paged_step import paged_step
+from preft_jax import sharding as shd
+from preft_jax.paged_step import paged_step, sharded_paged_step
 from preft_jax.sampling import SamplingParams
 from serve.errors import (DeadlineExceededError, EngineError, PromptTooLongError, QueueFullError, RequestError,
                           UnavailableError)
@@ -141,9 +142,17 @@ def _engine_failure(what: str, req: Request) -> EngineError:
 
 
 class Engine:
+    """`mesh` (optional; default the runner's, see `ModelRunner`): tensor/data-parallel serving. The
+    weights, the paged KV pool and the adapter bank are placed by their declared logical axes
+    (preft_jax.sharding.RULES) and every step runs under the mesh with explicit out_shardings, so
+    the donated pool keeps its declared sharding (`cache_shardings`)."""
+
     def __init__(self, runner: ModelRunner, registry: AdapterRegistry, config: EngineConfig = EngineConfig(),
-                 tokenizer=None):
+                 tokenizer=None, mesh: jax.sharding.Mesh | None = None):
+        if mesh is not None:
+            runner = runner.with_mesh(mesh)
         self.runner, self.registry, self.config, self.tokenizer = runner, registry, config, tokenizer
+        self.mesh = runner.mesh
         cfg = runner.cfg
         if config.max_model_len > cfg.max_seq_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context {cfg.max_seq_len}")
@@ -151,6 +160,13 @@ class Engine:
         bs = config.block_size
         self.num_blocks = config.num_blocks(PagedKVCache.bytes_per_token(cfg, runner.dtype))
         self.pool = BlockPool(self.num_blocks, bs, config.enable_prefix_cache)
+        self._step_fn, self.cache_shardings = paged_step, None
+        if self.mesh is not None:
+            abstract = jax.eval_shape(lambda: PagedKVCache.create(cfg, self.num_blocks, bs, runner.dtype))
+            self.cache_shardings = shd.cache_shardings(abstract, self.mesh, cfg)
+            self._step_fn = sharded_paged_step(self.mesh, self.cache_shardings)
+            if registry.bank is not None:
+                registry.place(shd.bank_shardings(registry.bank, self.mesh, cfg))
         self.cache = self._new_cache()
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_seqs, config.max_model_len, bs,
@@ -181,7 +197,11 @@ class Engine:
         return self.config.mode
 
     def _new_cache(self) -> PagedKVCache:
-        return PagedKVCache.create(self.runner.cfg, self.num_blocks, self.config.block_size, self.runner.dtype)
+        """The paged KV pool, created in place on the mesh (never whole on one device first)."""
+        cfg, nb, bs, dt = self.runner.cfg, self.num_blocks, self.config.block_size, self.runner.dtype
+        if self.mesh is None:
+            return PagedKVCache.create(cfg, nb, bs, dt)
+        return jax.jit(lambda: PagedKVCache.create(cfg, nb, bs, dt), out_shardings=self.cache_shardings)()
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, prompt_ids: Seq[int], adapter: str | None = None,
@@ -432,9 +452,11 @@ class Engine:
 
     def _call(self, tokens, batch, bank, ids, plen, temp, top_p, top_k):
         """One jitted step (dispatched asynchronously): device array of sampled token ids."""
-        nxt, self.cache = paged_step(self.runner.graphdef, self.runner.state, jnp.asarray(tokens), batch, self.cache,
-                                     bank, None if bank is None else jnp.asarray(ids), jnp.asarray(plen),
-                                     jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k), self._next_key())
+        with self.runner.mesh_context():
+            nxt, self.cache = self._step_fn(self.runner.graphdef, self.runner.state, jnp.asarray(tokens), batch,
+                                            self.cache, bank, None if bank is None else jnp.asarray(ids),
+                                            jnp.asarray(plen), jnp.asarray(temp), jnp.asarray(top_p),
+                                            jnp.asarray(top_k), self._next_key())
         return nxt
 
     def _run_prefill(self, chunks: list[Chunk]):

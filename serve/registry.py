@@ -218,6 +218,8 @@ class AdapterRegistry:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, loader_threads), thread_name_prefix="adapter-load")
         self.stats = TierStats()
         self.bank: AdapterBank | None = None
+        self._bank_shardings = None                                 # set by `place` (a sharded engine)
+        self._writer = _write_slot
         if capacity:
             self.bank = empty_bank(cfg, capacity + 1, tuple(lora_targets), lora_rank, reft_rank, dtype or jnp.float32)
 
@@ -266,6 +268,8 @@ class AdapterRegistry:
                     fk, lk = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
                 self.bank = dataclasses.replace(self.bank, all_tokens=jnp.asarray(at), first_k=jnp.asarray(fk),
                                                 last_k=jnp.asarray(lk))
+                if self._bank_shardings is not None:
+                    self.bank = jax.device_put(self.bank, self._bank_shardings)
                 return
             for name, entry in list(self._host.items()):
                 src = self._sources.get(name)
@@ -505,6 +509,16 @@ class AdapterRegistry:
         return ref.entry.policy
 
     # ---- device tier -------------------------------------------------------------------------
+    def place(self, shardings) -> None:
+        """Places the device bank by `shardings` (a NamedSharding tree of the bank, from
+        `preft_jax.sharding.bank_shardings`); every later slot write keeps them (explicit out_shardings)."""
+        with self._lock:
+            if self.bank is None:
+                return
+            self._bank_shardings = shardings
+            self.bank = jax.device_put(self.bank, shardings)
+            self._writer = jax.jit(_write_slot_impl.__wrapped__, donate_argnums=0, out_shardings=shardings)
+
     def pin(self, ref: AdapterRef) -> int:
         """A device slot holding `ref`'s weights, pinned until `unpin` (uploads into the LRU unpinned
         slot when not resident). Engine thread only: it replaces `self.bank`. Raises NoDeviceSlot."""
@@ -529,7 +543,7 @@ class AdapterRegistry:
                     self.stats.device_evictions += 1
                 self.stats.device_misses += 1
                 self._slots[slot].key = None
-                self.bank = _write_slot(self.bank, jnp.int32(slot), entry.update or self._bank_update(entry.weights))
+                self.bank = self._writer(self.bank, jnp.int32(slot), entry.update or self._bank_update(entry.weights))
                 self._slots[slot].key = key
             s = self._slots[slot]
             s.pins += 1

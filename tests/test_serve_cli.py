@@ -11,8 +11,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args, timeout=300):
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+def run_cli(*args, timeout=300, **env_extra):
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **env_extra}
     return subprocess.run([sys.executable, "-m", "serve", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -37,6 +37,21 @@ def test_bad_adapter_folder_exits_2(tmp_path):
 def test_missing_model_exits_2(tmp_path):
     r = run_cli("generate", "--prompt", "hi", "--model", str(tmp_path / "nope.gguf"))
     assert r.returncode == 2 and "model not found" in r.stderr
+
+
+def test_mesh_flag(tmp_path):
+    """--mesh shards generation over every device (8 fake CPU devices: same greedy text as unsharded);
+    a mesh that does not match the device count, or a malformed one, exits 2."""
+    eight = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    args = ("generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "6")
+    plain = run_cli(*args, **eight)
+    sharded = run_cli(*args, "--mesh", "data=2,tensor=4", **eight)
+    assert plain.returncode == 0 and sharded.returncode == 0, sharded.stderr
+    assert sharded.stdout == plain.stdout
+    r = run_cli(*args, "--mesh", "tensor=2", **eight)
+    assert r.returncode == 2 and "--mesh" in r.stderr and "8 are available" in r.stderr
+    r = run_cli(*args, "--mesh", "pipe=2")
+    assert r.returncode == 2 and "AXIS=N" in r.stderr
 
 
 def test_bad_adapter_spec_exits_2():

@@ -22,47 +22,108 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class FakeMesh:
-    """fit_spec / spec_for only read `mesh.shape`."""
+    """logical_spec / fit_spec only read `mesh.shape`."""
 
     def __init__(self, data, fsdp, tensor):
         self.shape = {"data": data, "fsdp": fsdp, "tensor": tensor}
 
 
+def _specs(tree, mesh, cfg):
+    return {k: v for k, v in zip(shd.declared_axes(tree), jax.tree.leaves(
+        shd.tree_specs(tree, mesh, cfg), is_leaf=lambda x: isinstance(x, P)))}
+
+
 def test_rules_table():
-    m = FakeMesh(2, 2, 2)
-    L, d, q, f, V = 3, 64, 64, 128, 256
-    assert shd.spec_for("layers/wq", (L, d, q), m) == P(None, "fsdp", "tensor")
-    assert shd.spec_for("layers/wk", (L, d, 32), m) == P(None, "fsdp", "tensor")
-    assert shd.spec_for("layers/w_up", (L, d, f), m) == P(None, "fsdp", "tensor")
-    assert shd.spec_for("layers/wo", (L, q, d), m) == P(None, "tensor", "fsdp")
-    assert shd.spec_for("layers/w_down", (L, f, d), m) == P(None, "tensor", "fsdp")
-    assert shd.spec_for("embed", (V, d), m) == P("tensor", "fsdp")
-    assert shd.spec_for("layers/attn_norm", (L, d), m) == P()
-    assert shd.spec_for("final_norm", (d,), m) == P()
-    assert shd.spec_for("A/q", (L, d, 4), m) == P(None, "fsdp")
-    assert shd.spec_for("B/q", (L, 4, q), m) == P(None, None, "tensor")
-    assert shd.spec_for("A/down", (L, f, 4), m) == P(None, "tensor")
-    assert shd.spec_for("B/o", (L, 4, d), m) == P(None, None, "fsdp")
-    assert shd.spec_for("R", (L, 4, d), m) == P(None, None, "fsdp")
-    assert shd.spec_for("b", (L, 4), m) == P()
-    assert shd.spec_for("lora_A/v", (L, 3, d, 4), m) == P(None, None, "fsdp")
-    assert shd.spec_for("k", (L, 8, 32, 2, 16), m) == P(None, ("data", "fsdp"), None, "tensor")
-    assert shd.spec_for("something/else", (5, 7), m) == P()
+    """Specs follow from the axes declared where each array is created and the one RULES table."""
+    from flax import nnx
+    from preft_jax.adapters.bank import empty_bank
+    from preft_jax.adapters.config import LoraConfig, ReftConfig
+    from preft_jax.adapters.trainable import init_adapter
+    from preft_jax.kv_cache import KVCache
+    from preft_jax.model import Llama
+    from preft_jax.paged_kv import PagedKVCache
+    m, cfg = FakeMesh(2, 2, 2), tiny_config()
+    state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    s = dict(zip(shd.declared_axes(state), jax.tree.leaves(shd.tree_specs(state, m, cfg),
+                                                           is_leaf=lambda x: isinstance(x, P))))
+    assert s["layers/wq"] == P(None, "fsdp", "tensor")
+    assert s["layers/wk"] == P(None, "fsdp", "tensor")
+    assert s["layers/w_up"] == P(None, "fsdp", "tensor")
+    assert s["layers/wo"] == P(None, "tensor", "fsdp")
+    assert s["layers/w_down"] == P(None, "tensor", "fsdp")
+    assert s["embed"] == P("tensor", "fsdp")
+    assert s["layers/attn_norm"] == P()
+    assert s["final_norm"] == P()
+    key = jax.random.key(0)
+    lora = jax.eval_shape(lambda: init_adapter(cfg, LoraConfig(rank=4, alpha=8.0, targets=("q", "o", "down")), key))
+    s = _specs(lora, m, cfg)
+    assert s["A/q"] == P(None, "fsdp") and s["B/q"] == P(None, None, "tensor")
+    assert s["A/down"] == P(None, "tensor") and s["B/o"] == P(None, None, "fsdp")
+    s = _specs(jax.eval_shape(lambda: init_adapter(cfg, ReftConfig(rank=4, layers=(0, 2)), key)), m, cfg)
+    assert s["R"] == P(None, None, "fsdp") and s["b"] == P()
+    s = _specs(jax.eval_shape(lambda: empty_bank(cfg, 3, ("v", "o"), 4, 2)), m, cfg)
+    assert s["lora_A/v"] == P(None, None, "fsdp") and s["lora_B/v"] == P(None, None, None, "tensor")
+    assert s["lora_A/o"] == P(None, None, "tensor") and s["reft_R"] == P(None, None, None, "fsdp")
+    assert s["all_tokens"] == P() and s["reft_subtract"] == P()
+    s = _specs(jax.eval_shape(lambda: KVCache.create(cfg, 8, 32)), m, cfg)
+    assert s["k"] == P(None, ("data", "fsdp"), None, "tensor")
+    s = _specs(jax.eval_shape(lambda: PagedKVCache.create(cfg, 9, 4)), m, cfg)
+    assert s["v"] == P(None, "tensor")
     assert shd.batch_spec((8, 24), m) == P(("data", "fsdp"))
+    assert shd.logical_spec(("batch", "seq", "q_heads", "head_dim"), (8, 5, 4, 16), m, shd.axis_units(cfg)) \
+        == P(("data", "fsdp"), None, "tensor")
+    # mesh axes of size 1 are left out
+    assert shd.logical_spec(("layers", "embed", "mlp"), (3, 64, 128), FakeMesh(1, 1, 2)) == P(None, None, "tensor")
 
 
-def test_divisibility_fallback():
+def test_undeclared_arrays_are_errors():
+    m = FakeMesh(1, 1, 2)
+    with pytest.raises(ValueError, match="layers/extra: no logical axes declared"):
+        from flax import nnx
+        from preft_jax.model import Llama
+        model = nnx.eval_shape(lambda: Llama(tiny_config(), rngs=nnx.Rngs(0)))
+        model.layers.extra = nnx.Param(jax.ShapeDtypeStruct((3, 4), np.float32))
+        shd.tree_specs(nnx.state(model), m, tiny_config())
+    with pytest.raises(ValueError, match="no rule"):
+        shd.logical_spec(("layers", "nonsense"), (3, 4), m)
+    with pytest.raises(ValueError, match="keys"):
+        shd.tree_specs({"X": np.zeros(3)}, m)
+    with pytest.raises(TypeError, match="no logical axes"):
+        shd.tree_specs([np.zeros(3)], m)
+    with pytest.raises(ValueError, match="whole heads"):            # head axes need the head counts
+        shd.logical_spec(("layers", "embed", "q_heads"), (3, 64, 64), m)
+    with pytest.raises(ValueError, match="logical axes"):          # rank mismatch
+        shd.logical_spec(("layers", "embed"), (64, 64, 3), m)
+
+
+def test_divisibility_fallback(caplog):
     m = FakeMesh(2, 4, 3)
-    # 64 % 3 != 0 -> the tensor dim is replicated; 250 % 3 != 0 for the vocab
-    assert shd.spec_for("layers/wq", (3, 64, 64), m) == P(None, "fsdp")
-    assert shd.spec_for("embed", (250, 64), m) == P(None, "fsdp")
-    assert shd.spec_for("layers/wo", (3, 96, 30), m) == P(None, "tensor")
-    # batch of 6 over data*fsdp = 8: longest dividing prefix ("data") is kept
+    units = {"q_heads": 4, "kv_heads": 2}
+    with caplog.at_level("WARNING", logger="preft_jax.sharding"):
+        # 4 heads % 3 != 0 -> the head dim is replicated (warned); 250 % 3 != 0 for the vocab
+        assert shd.logical_spec(("layers", "embed", "q_heads"), (3, 64, 64), m, units, "w") == P(None, "fsdp")
+        assert shd.logical_spec(("vocab", "embed"), (250, 64), m, units, "emb") == P(None, "fsdp")
+        assert shd.logical_spec(("layers", "mlp", "embed"), (3, 96, 30), m, units, "wd") == P(None, "tensor")
+    assert "w: q_heads (4) is not divisible by mesh axes ('tensor',)" in caplog.text
+    assert "emb: vocab (250)" in caplog.text and "wd: embed (30)" in caplog.text
+    # whole heads: 6 heads x 16 = 96 is divisible by 4 but 6 heads are not -> replicated
+    assert shd.logical_spec(("layers", "embed", "q_heads"), (3, 64, 96), FakeMesh(1, 1, 4), {"q_heads": 6}) \
+        == P()
+    # batch of 6 over data*fsdp = 8: longest dividing prefix ("data") is kept, silently
     assert shd.batch_spec((6, 10), m) == P("data")
     assert shd.batch_spec((5, 10), m) == P()
     assert shd.fit_spec((("data", "fsdp"), "nope"), (16, 4), m) == P(("data", "fsdp"))
-    with pytest.raises(ValueError):
-        shd.spec_for("layers/wq", (64, 64), m)        # rank mismatch with the rule
+
+
+def test_parse_mesh():
+    assert shd.parse_mesh("data=2,tensor=4") == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert shd.parse_mesh(None) == {"data": 1, "fsdp": 1, "tensor": 1}
+    for bad in ("data", "pipe=2", "tensor=0", "tensor=x", "data=1,data=2"):
+        with pytest.raises(ValueError):
+            shd.parse_mesh(bad)
+    with pytest.raises(ValueError, match="must use every device"):
+        shd.mesh_from_spec(f"tensor={len(jax.devices()) + 1}")
+    assert shd.mesh_from_spec(f"data={len(jax.devices())}").shape["data"] == len(jax.devices())
 
 
 def test_mesh_and_state_single_device():
@@ -74,7 +135,7 @@ def test_mesh_and_state_single_device():
     from flax import nnx
     from preft_jax.model import Llama
     _, state = nnx.split(Llama(tiny_config(), rngs=nnx.Rngs(0)))
-    placed = shd.shard_model_state(state, mesh)
+    placed = shd.shard_model_state(state, mesh, tiny_config())
     assert isinstance(jax.tree.leaves(placed)[0].sharding, jax.sharding.NamedSharding)
     names = {shd.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)}
     assert {"embed", "final_norm", "layers/wq", "layers/w_down"} <= names

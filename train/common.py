@@ -87,10 +87,10 @@ class ShardedSetup:
                  mesh: jax.sharding.Mesh | None = None):
         self.model_cfg, self.graphdef, self.adapter_config, self.tx = model_cfg, graphdef, adapter_config, tx
         self.mesh = shd.make_mesh() if mesh is None else mesh
-        self.base_shardings = shd.model_state_shardings(base_state, self.mesh)
+        self.base_shardings = shd.model_state_shardings(base_state, self.mesh, model_cfg)
         self.base_state = jax.device_put(base_state, self.base_shardings)
         abstract = jax.eval_shape(lambda k: init_train_state(model_cfg, adapter_config, tx, k), jax.random.key(0))
-        p_sh = shd.adapter_shardings(abstract.params, self.mesh)
+        p_sh = shd.adapter_shardings(abstract.params, self.mesh, model_cfg)
         o_sh = shd.optimizer_shardings(tx, abstract.opt_state, p_sh, self.mesh)
         self.state_shardings = TrainState(p_sh, o_sh, shd.replicated(self.mesh))
         self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from preft_jax.adapters.config import LoraWeights, PositionPolicy, ReftWeights
-from preft_jax.config import ModelConfig
+from preft_jax.config import PROJECTION_AXES, ModelConfig
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +47,20 @@ class AdapterBank:
     @property
     def has_reft(self) -> bool:
         return self.reft_R is not None
+
+    def logical_axes(self) -> "AdapterBank":
+        """The logical axes of every array (preft_jax.sharding): LoRA A / B follow the input / output
+        dimension of their projection; slots ("adapters") and ranks are replicated."""
+        def opt(x, axes):
+            return None if x is None else axes
+        return AdapterBank(
+            {t: ("layers", "adapters", PROJECTION_AXES[t][0], "rank") for t in self.lora_A},
+            {t: ("layers", "adapters", "rank", PROJECTION_AXES[t][1]) for t in self.lora_B},
+            opt(self.reft_R, ("layers", "adapters", "rank", "embed")),
+            opt(self.reft_W, ("layers", "adapters", "rank", "embed")),
+            opt(self.reft_b, ("layers", "adapters", "rank")),
+            opt(self.reft_subtract, ("adapters",)),
+            all_tokens=("adapters",), first_k=("adapters",), last_k=("adapters",))
 
     def layer(self, i):
         """The per-layer slice used inside the layer scan (everything with a layer axis)."""

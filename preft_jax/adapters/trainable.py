@@ -18,7 +18,7 @@ import numpy as np
 
 from preft_jax.adapters.bank import AdapterBank, policy_arrays
 from preft_jax.adapters.config import LoraConfig, LoraWeights, PositionPolicy, ReftConfig, ReftWeights
-from preft_jax.config import ModelConfig
+from preft_jax.config import PROJECTION_AXES, ModelConfig
 
 
 def _layer_mask(cfg: ModelConfig, layers) -> np.ndarray:
@@ -39,6 +39,21 @@ def _policy(policy: PositionPolicy):
 def _with_base_slot(x):
     """[L, ...] -> [L, 2, ...] with slot 0 zeros."""
     return jnp.stack([jnp.zeros_like(x), x], axis=1)
+
+
+def param_axes(params: dict) -> dict:
+    """The logical axes (preft_jax.sharding) of every array of a trainable params dict, same structure.
+    LoRA A / B follow the input / output dimension of their projection; ReFT R / W the residual."""
+    if set(params) == {"A", "B"}:
+        def axes(t, i):
+            if t not in PROJECTION_AXES:
+                raise ValueError(f"adapter params: no logical axes for LoRA target {t!r}")
+            return ("layers", PROJECTION_AXES[t][0], "rank") if i == 0 else ("layers", "rank", PROJECTION_AXES[t][1])
+        return {"A": {t: axes(t, 0) for t in params["A"]}, "B": {t: axes(t, 1) for t in params["B"]}}
+    if set(params) == {"R", "W", "b"}:
+        return {"R": ("layers", "rank", "embed"), "W": ("layers", "rank", "embed"), "b": ("layers", "rank")}
+    raise ValueError(f"adapter params: no logical axes for a dict with keys {sorted(params)} "
+                     f"(LoRA {{'A', 'B'}} or ReFT {{'R', 'W', 'b'}})")
 
 
 # ---- LoRA ----------------------------------------------------------------------------------
