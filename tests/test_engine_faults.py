@@ -232,6 +232,9 @@ def test_health_reports_a_wedged_step(model):
         assert eng.health()["wedged"]
         faults.block.set()
         r.wait(timeout=60)
+        deadline = time.monotonic() + 30          # the step that finished it ends right after
+        while eng.health()["wedged"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not eng.health()["wedged"]
     finally:
         faults.block.set()
