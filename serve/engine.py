@@ -120,7 +120,7 @@ class EngineConfig:
     starvation_s: float = 2.0            # waiting longer than this jumps the adapter-grouping order
     min_chunk: int = 16                  # smallest prefill chunk bucket
     num_scheduler_steps: int = 4         # decode calls per step when nothing waits (pipelined, see _run_decode)
-    warmup_logprobs: bool = True         # warmup() also compiles the log-probability variants
+    warmup_logprobs: bool = False        # warmup() also compiles the log-probability variants (else: on first use)
 
     def __post_init__(self):
         if self.mode not in ("prefill", "all"):
@@ -559,7 +559,8 @@ class Engine:
                     if self.config.mode == "prefill" and seq.ref is not None:
                         self.registry.unpin(seq.ref)           # PreFT: the adapter's device slot is free again
                     if seq.prompt_logprobs:
-                        seq.req.emit(("prompt_logprobs", seq.prompt_logprobs))
+                        for s_ in [seq, *seq.forks]:
+                            s_.req.emit(("prompt_logprobs", seq.prompt_logprobs))
                         seq.prompt_logprobs = []               # sent (a recompute after preemption resends nothing)
                     forks = self._fork(seq, out["logits"], r) if seq.forks else []
                     self._accept_safely(seq, int(nxt[r]), _entry(host, r, seq.req.sampling.logprobs))
