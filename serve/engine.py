@@ -260,8 +260,11 @@ class Engine:
         for i, ref in enumerate(refs):
             req = Request(rid if n == 1 else f"{rid}-{i}", prompt_ids, adapter, sampling, stop_ids, stop, ref,
                           deadline=deadline, tokenizer=self.tokenizer, on_stop=lambda r: self.cancel(r))
-            req.key_data = (seed_key_data(sampling.seed, i) if sampling.seed is not None
-                            else self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32))
+            if sampling.seed is not None:
+                req.key_data = seed_key_data(sampling.seed, i)
+            else:
+                with self._lock:                          # submit runs on callers' threads
+                    req.key_data = self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32)
             if events is not None:
                 req.events = events[i]
             seq = Sequence(req, list(prompt_ids), len(prompt_ids))

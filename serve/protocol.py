@@ -135,7 +135,7 @@ def chat_logprobs(body: dict) -> int | None:
     """`logprobs: true` [+ `top_logprobs: k`] -> k (0 without top_logprobs); None when off."""
     on = get(body, "logprobs", bool, False)
     top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top is not None and not on:
+    if top and not on:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if on else None
 
