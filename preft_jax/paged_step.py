@@ -1,8 +1,26 @@
 """The paged engine's jitted step: one forward over R rows of C tokens through the paged KV cache,
 then one sampled token per row, so the host sees only token ids (one transfer per step).
 
-    next_tokens, cache = paged_step(graphdef, state, tokens, batch, cache, bank, adapter_ids,
-                                    prompt_lengths, temperature, top_p, top_k, key)
+    out, cache = paged_step(graphdef, state, tokens, batch, cache, bank, adapter_ids,
+                            prompt_lengths, temperature, top_p, top_k, key,
+                            logprobs=False, prompt_logprobs=False, return_logits=False)
+
+`out` is the sampled token ids int32 [R] when no extra is asked for (the hot path: nothing else is
+computed or returned), else a dict of device arrays:
+
+    tokens                          int32 [R]
+    logprob, top_values, top_ids    [R], [R, K], [R, K]   (logprobs=True; K = MAX_TOP_LOGPROBS)
+    prompt_logprob, prompt_top_values, prompt_top_ids
+                                    [R, C], [R, C, K], [R, C, K]: at chunk position j, the log-prob
+                                    of `next_tokens[r, j]` (prompt_logprobs=True)
+    logits                          float32 [R, V] at each row's last valid token (return_logits=True)
+
+Log-probabilities are the model's: log_softmax of the raw logits (before temperature, top-p and
+top-k), computed on the device; only K values per token reach the host.
+
+`key` is one key, or `(key_data uint32 [R, 2], counters int32 [R])`: a key per row, its request's
+own key folded with the index of the token being sampled (seeded requests are reproducible whatever
+shares their batch).
 
 Decode is C == 1 (adapter gather layout); prefill chunks are C > 1 (grouped layout). Adapters act
 per token by the same position policy as everywhere (`token_adapter_index` with absolute positions),
@@ -20,46 +38,98 @@ from flax import nnx
 
 from preft_jax.adapters.positions import token_adapter_index
 from preft_jax.paged_kv import PagedBatch, PagedKVCache
-from preft_jax.sampling import sample
+from preft_jax.sampling import MAX_TOP_LOGPROBS, row_keys, sample, token_logprobs
 
 
-def paged_forward(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank=None, adapter_ids=None,
-                  prompt_lengths=None):
-    """(logits [R, V] float32 at each row's last valid token, cache)."""
+def _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths):
     model = nnx.merge(graphdef, state)
     ctx = None
     if bank is not None:
         slots = token_adapter_index(bank, adapter_ids, batch.positions, prompt_lengths)
         ctx = model.adapter_context(slots, bank)
     h, cache = model.forward_paged(tokens, batch, cache, bank, ctx)
+    return model, h, cache
+
+
+def paged_forward(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank=None, adapter_ids=None,
+                  prompt_lengths=None):
+    """(logits [R, V] float32 at each row's last valid token, cache)."""
+    model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
     R = tokens.shape[0]
     last = h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)]
     return model.logits(last), cache
 
 
+def _prompt_logprobs(model, h, next_tokens):
+    """Per chunk position: log-prob of the next token and the top K, one position at a time (the
+    [R, C, V] logits are never materialized at once)."""
+    def one(args):
+        hj, tj = args                                        # [R, d], [R]
+        return token_logprobs(model.logits(hj), tj, MAX_TOP_LOGPROBS)
+    lp, vals, ids = jax.lax.map(one, (jnp.swapaxes(h, 0, 1), jnp.swapaxes(next_tokens, 0, 1)))
+    return jnp.swapaxes(lp, 0, 1), jnp.swapaxes(vals, 0, 1), jnp.swapaxes(ids, 0, 1)
+
+
 def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids, prompt_lengths,
-                temperature, top_p, top_k, key):
-    logits, cache = paged_forward(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
-    return sample(logits, key, temperature, top_p, top_k), cache
+               temperature, top_p, top_k, key, next_tokens=None, *, logprobs: bool = False,
+               prompt_logprobs: bool = False, return_logits: bool = False):
+    model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
+    R = tokens.shape[0]
+    logits = model.logits(h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)])
+    if isinstance(key, tuple):
+        key = row_keys(*key)
+    nxt = sample(logits, key, temperature, top_p, top_k)
+    if not (logprobs or prompt_logprobs or return_logits):
+        return nxt, cache
+    out = {"tokens": nxt}
+    if logprobs:
+        out["logprob"], out["top_values"], out["top_ids"] = token_logprobs(logits, nxt)
+    if prompt_logprobs:
+        out["prompt_logprob"], out["prompt_top_values"], out["prompt_top_ids"] = _prompt_logprobs(model, h,
+                                                                                                  next_tokens)
+    if return_logits:
+        out["logits"] = logits
+    return out, cache
 
 
-paged_step = jax.jit(_paged_step, static_argnums=0, donate_argnames=("cache",))
+_STATIC = ("logprobs", "prompt_logprobs", "return_logits")
+paged_step = jax.jit(_paged_step, static_argnums=0, static_argnames=_STATIC, donate_argnames=("cache",))
 
 
 def sharded_paged_step(mesh: jax.sharding.Mesh, cache_shardings: PagedKVCache):
-    """`paged_step` for a mesh, with explicit out_shardings: the sampled tokens replicated and the
-    donated cache in `cache_shardings` (its declared sharding, `preft_jax.sharding.cache_shardings`).
-    The inputs (weights, cache, bank) arrive placed by their declared axes. Call it under
-    `jax.set_mesh(mesh)` so the model's activation constraints apply. One jitted function (and
-    compile cache) per (mesh, cache sharding)."""
+    """`paged_step` for a mesh, with explicit out_shardings: the sampled tokens (and any logprob
+    outputs) replicated and the donated cache in `cache_shardings` (its declared sharding,
+    `preft_jax.sharding.cache_shardings`). The inputs (weights, cache, bank) arrive placed by their
+    declared axes. Call it under `jax.set_mesh(mesh)` so the model's activation constraints apply.
+    One jitted function (and compile cache) per (mesh, cache sharding)."""
     return _sharded_paged_step(mesh, cache_shardings.k.spec, cache_shardings.v.spec)
 
 
 @functools.lru_cache(maxsize=16)
 def _sharded_paged_step(mesh, k_spec, v_spec):
     named = functools.partial(jax.sharding.NamedSharding, mesh)
-    return jax.jit(_paged_step, static_argnums=0, donate_argnames=("cache",),
+    return jax.jit(_paged_step, static_argnums=0, static_argnames=_STATIC, donate_argnames=("cache",),
                    out_shardings=(named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec))))
+
+
+@functools.partial(jax.jit, static_argnames=("logprobs",))
+def sample_rows(logits, rows, temperature, top_p, top_k, key_data, counters, *, logprobs: bool = False):
+    """Samples S tokens from rows `rows` [S] of `logits` [R, V] (several samples may share a row:
+    the n completions of one prompt draw their first tokens from its one prefill). Returns tokens
+    [S], or a dict like `paged_step`'s with logprobs."""
+    picked = logits[rows]
+    nxt = sample(picked, row_keys(key_data, counters), temperature, top_p, top_k)
+    if not logprobs:
+        return nxt
+    lp, vals, ids = token_logprobs(picked, nxt)
+    return {"tokens": nxt, "logprob": lp, "top_values": vals, "top_ids": ids}
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_blocks(cache: PagedKVCache, src, dst) -> PagedKVCache:
+    """K/V blocks src[i] -> dst[i] (every layer and head): copy-on-write of a shared partial block."""
+    return PagedKVCache(k=cache.k.at[:, :, dst].set(cache.k[:, :, src]),
+                        v=cache.v.at[:, :, dst].set(cache.v[:, :, src]))
 
 
 paged_logits = jax.jit(paged_forward, static_argnums=0, donate_argnames=("cache",))

@@ -1,7 +1,13 @@
-"""Per-row sampling: greedy (temperature 0), temperature, top-p, top-k. All arrays, jit-friendly."""
+"""Per-row sampling: greedy (temperature 0), temperature, top-p, top-k. All arrays, jit-friendly.
+
+Also per-row random keys (`row_keys`: a request's own key folded with its token index, so a seeded
+request's draws never depend on its batch-mates) and log-probabilities (`token_logprobs`: the
+model's log-softmax of the raw logits, before temperature / top-p / top-k, as OpenAI reports them).
+"""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import jax
@@ -16,6 +22,10 @@ class SamplingParams:
     top_k: int = 0               # 0 = off
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    # serving engine (serve/engine.py) only; ModelRunner.generate ignores them:
+    seed: int | None = None               # same seed -> same draws (key from the seed and the token index)
+    logprobs: int | None = None           # None: off; k in [0, MAX_TOP_LOGPROBS]: sampled token + top k
+    prompt_logprobs: int | None = None    # the same for every prompt token after the first
 
     def __post_init__(self):
         _number(self.temperature, "temperature")
@@ -34,6 +44,17 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
             _integer(t, "stop_token_ids entry", minimum=-INT32_MAX - 1)     # negative: never matches
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
+            raise ValueError(f"seed must be an integer or None, got {type(self.seed).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                _integer(v, name)
+                if v > MAX_TOP_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+
+
+MAX_TOP_LOGPROBS = 20     # top log-probabilities a step can return per token (a static shape)
 
 
 INT32_MAX = 2 ** 31 - 1
@@ -53,6 +74,28 @@ def _integer(v, name: str, minimum: int = 0) -> None:
         raise ValueError(f"{name} must be an integer, got {type(v).__name__}")
     if not minimum <= int(v) <= INT32_MAX:
         raise ValueError(f"{name} must be in [{minimum}, {INT32_MAX}], got {v}")
+
+
+def seed_key_data(seed: int, index: int = 0) -> np.ndarray:
+    """Raw threefry key data (uint32 [2]) for sample `index` of a request with `seed` (any integer)."""
+    h = hashlib.blake2b(f"{int(seed)}/{int(index)}".encode(), digest_size=8).digest()
+    return np.frombuffer(h, np.uint32).copy()
+
+
+def row_keys(key_data, counters):
+    """Per-row keys: key data uint32 [B, 2] (one request's own key each) folded with each row's
+    token index int [B]. Row b's draw depends only on its request's key and its position."""
+    return jax.vmap(lambda kd, t: jax.random.fold_in(jax.random.wrap_key_data(kd, impl="threefry2x32"), t))(
+        jnp.asarray(key_data, jnp.uint32), jnp.asarray(counters, jnp.int32))
+
+
+def token_logprobs(logits, tokens, k: int = MAX_TOP_LOGPROBS):
+    """(logprob of `tokens` [B], top-k values [B, k], top-k ids int32 [B, k]) of log_softmax(logits):
+    the model's distribution before temperature / top-p / top-k."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.asarray(tokens, jnp.int32)[..., None], axis=-1)[..., 0]
+    vals, ids = jax.lax.top_k(logp, k)
+    return chosen, vals, ids.astype(jnp.int32)
 
 
 CANDIDATES = 256     # top-p / top-k thresholds come from the top CANDIDATES logits when the kept set fits
@@ -79,6 +122,7 @@ def _threshold_from(desc, lse, top_p, top_k):
 
 def sample(logits, key, temperature, top_p, top_k=None):
     """logits: [B, V] float32; temperature, top_p: [B]; top_k: int [B] or None -> tokens int32 [B].
+    key: one key for the batch, or a key per row (typed key array [B], see `row_keys`).
 
     Per-row: temperature 0 is greedy; else softmax(logits / temperature) restricted to the top_k
     tokens (0 = off) and the top_p nucleus (tokens whose logit ties the smallest kept one are kept
@@ -109,7 +153,11 @@ def sample(logits, key, temperature, top_p, top_k=None):
         threshold = jnp.where(filter_rows, threshold, -jnp.inf)
         masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
         cdf = jnp.cumsum(jax.nn.softmax(masked, axis=-1), axis=-1)
-        u = jax.random.uniform(key, (B, 1), jnp.float32) * cdf[:, -1:]
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1:      # a key per row
+            u = jax.vmap(lambda k: jax.random.uniform(k, (1,), jnp.float32))(key)
+        else:
+            u = jax.random.uniform(key, (B, 1), jnp.float32)
+        u = u * cdf[:, -1:]
         sampled = jnp.argmax(cdf > u, axis=-1).astype(jnp.int32)
         return jnp.where(sampling_rows, sampled, greedy)
 

@@ -59,6 +59,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
 def _gguf_pre_tokenizer(pre: str | None, hf_compat: bool):
     """The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` (only GPT-2 regex when hf_compat)."""
     gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -250,6 +255,22 @@ class Tokenizer:
         """Text of `ids`. Cheap enough to call on a growing id list while streaming (an incomplete
         UTF-8 sequence at the end renders as U+FFFD until its remaining bytes arrive)."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level BPE token may be part of a UTF-8
+        character; `<0xNN>` byte tokens are that byte), for per-token log-probability output."""
+        tok = self.id_to_token(i)
+        if tok is None:
+            return b""
+        if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            try:
+                return bytes([int(tok[3:5], 16)])
+            except ValueError:
+                pass
+        inv = _unicode_to_bytes()
+        if all(c in inv for c in tok):
+            return bytes(inv[c] for c in tok)
+        return self.decode([i], skip_special_tokens=False).encode("utf-8")
 
     # ----------------------------------------------------------------------------- chat template
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

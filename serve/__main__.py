@@ -7,8 +7,11 @@
                            [--model PATH|tiny] [--capacity 16] [--lora-rank 16] [--reft-rank 8]
                            [--api-key KEY] [--admin-key KEY] [--allow-unauthenticated-admin]
                            [--adapter-root DIR] [--max-queued 1024] [--request-timeout 600]
-                           [--max-body-bytes 4194304] [--shutdown-grace 10] [--no-warmup]
-    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--mesh data=D,tensor=T]
+                           [--max-body-bytes 4194304] [--shutdown-grace 10] [--no-warmup] [--warmup-logprobs]
+    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--mesh data=D,tensor=T] [--no-cache] [--quiet]
+
+Both enable the persistent compilation cache at start-up (`preft_jax.cache.fast_start`, as
+`python -m preft_jax` does; docs/caching.md); `--no-cache` leaves it and the weight cache off.
 
 `--model tiny` is a small random-weight model with a UTF-8 byte tokenizer (demos, fault tests).
 
@@ -51,7 +54,7 @@ def _parse_mesh(spec):
         raise CliError(f"--mesh: {e}") from None
 
 
-def _load_model(path):
+def _load_model(path, no_cache: bool = False, quiet: bool = False):
     from preft_jax.loading import load_model
     if path == "tiny":
         from preft_jax.config import tiny_config
@@ -60,7 +63,7 @@ def _load_model(path):
         cfg = tiny_config(max_seq_len=1024)
         return cfg, tiny_params(cfg), ByteTokenizer()
     try:
-        return load_model(path)
+        return load_model(path, cache=False if no_cache else None, progress=False if quiet else None)
     except FileNotFoundError as e:
         raise CliError(f"model not found: {e}") from None
     except (ValueError, OSError) as e:
@@ -126,7 +129,7 @@ def cmd_generate(args) -> int:
     if args.temperature < 0:
         raise CliError("--temperature must be >= 0")
     mesh = _parse_mesh(args.mesh)
-    cfg, params, tok = _load_model(args.model)
+    cfg, params, tok = _load_model(args.model, args.no_cache, args.quiet)
     weights = _load_adapter_weights(cfg, folders)
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     max_len = min(cfg.max_seq_len, len(prompt_ids) + args.max_tokens + 1)
@@ -159,7 +162,7 @@ def cmd_server(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     mesh = _parse_mesh(args.mesh)
-    cfg, params, tok = _load_model(args.model)
+    cfg, params, tok = _load_model(args.model, args.no_cache, args.quiet)
     weights = _load_adapter_weights(cfg, folders)
     engine = _build_engine(cfg, params, tok, weights, capacity=args.max_device_adapters, lora_rank=args.lora_rank,
                            reft_rank=args.reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype,
@@ -168,7 +171,8 @@ def cmd_server(args) -> int:
                            max_prefill_seqs=args.max_prefill_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                            kv_cache_memory=args.kv_cache_memory, enable_prefix_cache=not args.no_prefix_cache,
-                           max_queued=args.max_queued, request_timeout=args.request_timeout or None)
+                           max_queued=args.max_queued, request_timeout=args.request_timeout or None,
+                           warmup_logprobs=args.warmup_logprobs)
     if not args.no_warmup:
         seconds = engine.warmup(progress=lambda msg: print(f"warmup: {msg}", file=sys.stderr, flush=True))
         print(f"warmup: done in {seconds:.1f} s", file=sys.stderr, flush=True)
@@ -204,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--mesh", default=None, metavar="data=D,tensor=T",
                         help="shard over every device: tensor-parallel heads/ffn/vocab, data-parallel rows "
                              "(sizes default to 1; their product must equal the device count)")
+        sp.add_argument("--no-cache", action="store_true",
+                        help="neither read nor write the weight / compilation caches (see docs/caching.md)")
+        sp.add_argument("--quiet", action="store_true", help="no progress bars")
 
     g = sub.add_parser("generate", help="print the completion of one chat prompt")
     common(g)
@@ -256,12 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish on SIGTERM before they fail")
     s.add_argument("--no-warmup", action="store_true", help="skip compiling every prompt bucket at start-up")
+    s.add_argument("--warmup-logprobs", action="store_true",
+                   help="also compile the log-probability variants at start-up (else on the first such request)")
     s.set_defaults(func=cmd_server)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from preft_jax.cache.startup import fast_start
+    fast_start(use_cache=not args.no_cache)       # before anything compiles
     try:
         return args.func(args)
     except CliError as e:

@@ -36,6 +36,7 @@ from preft_jax.adapters.bank import AdapterBank, policy_arrays
 from preft_jax.adapters.config import PositionPolicy
 from preft_jax.generation import ModelRunner
 from preft_jax.model import Llama
+from preft_jax.progress import progress, set_quiet
 from preft_jax.sampling import SamplingParams
 from serve.engine import Engine, EngineConfig, GenerationRequest
 from serve.registry import AdapterRegistry
@@ -135,7 +136,7 @@ def run_serving(runner: ModelRunner, work: Workload, adapter_counts: Sequence[in
     base = Variant("base", runner, None, "prefill", 0, prompts, work)
     base.warmup()
     rows = []
-    for n in adapter_counts:
+    for n in progress(adapter_counts, "adapter counts", total=len(adapter_counts), unit="N"):
         if deadline is not None and time.perf_counter() > deadline:
             log(f"  N={n}: skipped (time budget)")
             continue
@@ -229,7 +230,10 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip the HF PEFT peer")
     ap.add_argument("--mesh", default=None, metavar="data=D,tensor=T",
                     help="shard the engine over every device (see docs/serving.md, tensor-parallel serving)")
+    ap.add_argument("--plot", metavar="PNG", default=None, help="also write throughput vs N per variant (serve/plots.py)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
+    set_quiet(args.quiet)
     from preft_jax.sharding import mesh_from_spec
     try:
         mesh = None if args.mesh is None else mesh_from_spec(args.mesh)
@@ -270,6 +274,10 @@ def main(argv=None):
     print(f"\nbase (no adapters): median {base.median:.1f} tok/s over {len(base.rates)} runs (one per N group), "
           f"min {min(base.rates):.1f}, max {max(base.rates):.1f}\n")
     print("\n".join(table(base, rows)))
+    if args.plot:
+        from serve.plots import throughput_plot
+        throughput_plot(base.median, {n: {k: (v.median, min(v.rates), max(v.rates)) for k, v in res.items()}
+                                      for n, res in rows}, args.plot)
     if hf is not None:
         rate, batch = hf
         print(f"\nHF transformers + peft mixed-adapter generate ({args.hf_adapters} LoRA adapters "

@@ -20,6 +20,16 @@ class ClientGone(Exception):
     """The client disconnected while its request was running (the request was cancelled)."""
 
 
+class TaggedSink:
+    """One of several requests feeding a shared AsyncSink: events arrive there as (tag, event)."""
+
+    def __init__(self, shared: "AsyncSink", tag):
+        self.shared, self.tag = shared, tag
+
+    def put(self, event) -> None:          # called from the engine thread
+        self.shared.put((self.tag, event))
+
+
 class AsyncSink:
     def __init__(self):
         self.loop = asyncio.get_running_loop()
@@ -42,6 +52,38 @@ class AsyncSink:
             if deadline is not None and time.monotonic() > deadline + DEADLINE_MARGIN_S:
                 raise DeadlineExceededError("the request did not finish before its deadline") from None
             raise
+
+
+async def collect_many(engine, reqs, sink: AsyncSink, is_disconnected) -> list:
+    """`collect` for several requests feeding one sink through TaggedSinks tagged 0..len-1: their
+    Results in order. A failure of one cancels the others and raises it."""
+    checked = time.monotonic()
+    outs = [r.output() for r in reqs]
+    results = [None] * len(reqs)
+    left = len(reqs)
+    deadline = max((r.deadline for r in reqs if r.deadline is not None), default=None)
+    try:
+        while left:
+            try:
+                tag, event = await sink.get(deadline, POLL_S)
+                events = outs[tag].handle(event)
+            except asyncio.TimeoutError:
+                tag, events = None, []
+            for kind, payload in events:
+                if kind == "done":
+                    results[tag] = payload
+                    left -= 1
+                elif kind == "error":
+                    raise payload
+            if time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
+                if await is_disconnected():
+                    raise ClientGone()
+        return results
+    finally:
+        for r, out in zip(reqs, outs):
+            if not out.done:
+                engine.cancel(r)
 
 
 async def collect(engine, req, sink: AsyncSink, is_disconnected):

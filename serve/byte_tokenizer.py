@@ -30,6 +30,9 @@ class ByteTokenizer:
             ids = [i for i in ids if i not in self.special_token_ids]
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, i: int) -> bytes:
+        return bytes([int(i)])
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **_) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")

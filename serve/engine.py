@@ -10,9 +10,19 @@ Each `step()`:
   3. runs at most two jitted calls (`preft_jax.paged_step`): the prefill chunks (adapted per the
      position policy; a row whose chunk ends its prompt samples its first token) and the decode
      rows, in PreFT mode ("prefill") on the base weights alone, in the all-token baseline ("all")
-     with each row's adapter. Each call returns sampled token ids only;
-  4. hands the ids to the requests (("tokens", ids) events); text, stop strings and UTF-8 hold-back
-     are the consumer's (serve/output.py).
+     with each row's adapter. Each call returns sampled token ids only (plus, only for calls with a
+     row that asked for them, the top log-probabilities: `paged_step(logprobs=True)`);
+  4. hands the ids to the requests (("tokens", ids) events, preceded by ("logprobs", entries) when
+     asked for); text, stop strings and UTF-8 hold-back are the consumer's (serve/output.py).
+
+Randomness is per request: each sequence has its own key (from `SamplingParams.seed`, or drawn from
+the engine's generator seeded by `EngineConfig.seed`), folded with the index of the token being
+drawn, so a seeded request gives the same tokens whatever else is running, and a preempted one is
+recomputed to the same tokens.
+
+Parallel samples (`submit_n`, OpenAI `n`): one prefill, then n decode sequences sharing the prompt's
+KV blocks (the partial last block is copied on first write, see serve/scheduler.py); the n first
+tokens are drawn from the one prefill's logits (`sample_rows`).
 
 PreFT adapters need the device only while the prompt is prefilled: a request pins a device bank
 slot when its prefill starts and unpins it when the prefill ends (mode "all" keeps it until the end).
@@ -44,8 +54,8 @@ import numpy as np
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
 from preft_jax import sharding as shd
-from preft_jax.paged_step import paged_step, sharded_paged_step
-from preft_jax.sampling import SamplingParams
+from preft_jax.paged_step import copy_blocks, paged_step, sample_rows, sharded_paged_step
+from preft_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, seed_key_data
 from serve.errors import (DeadlineExceededError, EngineError, PromptTooLongError, QueueFullError, RequestError,
                           UnavailableError)
 from serve.kv_blocks import NULL_BLOCK, BlockPool
@@ -69,6 +79,21 @@ def _pow_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
 
 
 _take_tokens = jax.jit(lambda prev, index: prev[index][:, None])
+
+
+def _to_host(out) -> dict:
+    """A step's device output -> numpy arrays (tokens and, when present, log-prob arrays)."""
+    if not isinstance(out, dict):
+        return {"tokens": np.asarray(out)}
+    return {k: np.asarray(v) for k, v in out.items() if k != "logits"}
+
+
+def _entry(host: dict, r: int, k: int | None):
+    """Row r's log-prob entry (logprob, [(id, logprob)] * k) or None when not asked for."""
+    if k is None or "logprob" not in host:
+        return None
+    return (float(host["logprob"][r]),
+            [(int(i), float(v)) for i, v in zip(host["top_ids"][r, :k], host["top_values"][r, :k])])
 
 
 def _bucket(n: int, buckets: list[int]) -> int:
@@ -96,6 +121,7 @@ class EngineConfig:
     starvation_s: float = 2.0            # waiting longer than this jumps the adapter-grouping order
     min_chunk: int = 16                  # smallest prefill chunk bucket
     num_scheduler_steps: int = 4         # decode calls per step when nothing waits (pipelined, see _run_decode)
+    warmup_logprobs: bool = False        # warmup() also compiles the log-probability variants (else: on first use)
 
     def __post_init__(self):
         if self.mode not in ("prefill", "all"):
@@ -182,7 +208,8 @@ class Engine:
         self._lock = threading.Lock()            # inbox + live set (submit threads vs the engine thread)
         self._state = threading.RLock()          # scheduler state (engine thread vs a shutdown thread)
         self._wake = threading.Event()
-        self._key = jax.random.key(config.seed)
+        self._rng = np.random.default_rng(config.seed)      # keys of requests without a seed
+        self.fork_buckets = _pow_buckets(1, config.max_num_seqs)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._accepting = True
@@ -213,34 +240,72 @@ class Engine:
         Stops at any of `sampling.stop_token_ids` (default: the model's EOS ids; pass (-1,) for
         none) and at any of the `stop` strings (cut by the consumer, see serve/output.py).
         `timeout`: this request's total deadline in seconds (default `config.request_timeout`)."""
+        return self.submit_n(prompt_ids, adapter, sampling, 1, stop, None if events is None else [events],
+                             request_id, timeout)[0]
+
+    def submit_n(self, prompt_ids: Seq[int], adapter: str | None = None,
+                 sampling: SamplingParams = SamplingParams(), n: int = 1, stop: Seq[str] = (),
+                 events: Seq | None = None, request_id: str | None = None,
+                 timeout: float | None = None) -> list[Request]:
+        """`n` completions of one prompt (OpenAI `n`), one Request each (ids `<request_id>-<i>` when
+        n > 1; `events`: one sink per completion). The prompt is prefilled once; the n sequences
+        then share its KV blocks. With `sampling.seed`, completion i draws from a key derived from
+        (seed, i): the same seed gives the same n outputs. Until the prompt is prefilled the n are
+        one unit: cancelling or failing the first ends them all."""
         prompt_ids, stop = self._check(prompt_ids, sampling, stop)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_num_seqs:
+            raise RequestError(f"n must be an integer in [1, {self.config.max_num_seqs}] (the engine's "
+                               f"max_num_seqs), got {n}", "n")
+        if events is not None and len(events) != n:
+            raise RequestError(f"events: need one sink per completion ({n}), got {len(events)}")
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
             raise RequestError(f"timeout must be a positive number of seconds, got {timeout}", "timeout")
         timeout = self.config.request_timeout if timeout is None else timeout
         stop_ids = tuple(sampling.stop_token_ids) or tuple(self.runner.cfg.eos_token_ids)
         with self._lock:                                  # refuse before taking an adapter reference
             self._check_capacity_locked()
-        ref = self.registry.acquire(adapter)              # raises UnknownAdapterError
-        if ref is not None:
+        refs = []
+        try:
+            for _ in range(n):
+                refs.append(self.registry.acquire(adapter))    # raises UnknownAdapterError
+        except RequestError:
+            for ref in refs:
+                self.registry.release(ref)
+            raise
+        if refs[0] is not None:
             self.registry.prepare(adapter)                # start loading it now, off the engine thread
-        req = Request(request_id or new_request_id(), prompt_ids, adapter, sampling, stop_ids, stop, ref,
-                      deadline=None if timeout is None else time.monotonic() + timeout,
-                      tokenizer=self.tokenizer, on_stop=lambda r: self.cancel(r))
-        if events is not None:
-            req.events = events
-        seq = Sequence(req, list(prompt_ids), len(prompt_ids))
+        rid = request_id or new_request_id()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seqs = []
+        for i, ref in enumerate(refs):
+            req = Request(rid if n == 1 else f"{rid}-{i}", prompt_ids, adapter, sampling, stop_ids, stop, ref,
+                          deadline=deadline, tokenizer=self.tokenizer, on_stop=lambda r: self.cancel(r))
+            if sampling.seed is not None:
+                req.key_data = seed_key_data(sampling.seed, i)
+            else:
+                with self._lock:                          # submit runs on callers' threads
+                    req.key_data = self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32)
+            if events is not None:
+                req.events = events[i]
+            seq = Sequence(req, list(prompt_ids), len(prompt_ids))
+            if sampling.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None] * len(prompt_ids)
+            seqs.append(seq)
+        seqs[0].forks = seqs[1:]
         try:
             with self._lock:
                 self._check_capacity_locked()
-                self._inbox.append(seq)
-                self._seqs[req] = seq
+                self._inbox.append(seqs[0])
+                for seq in seqs:
+                    self._seqs[seq.req] = seq
         except RequestError:
-            self.registry.release(ref)
+            for ref in refs:
+                self.registry.release(ref)
             raise
-        self.metrics.requests_submitted += 1
-        self.metrics.by_mode[self.config.mode] += 1
+        self.metrics.requests_submitted += n
+        self.metrics.by_mode[self.config.mode] += n
         self._wake.set()
-        return req
+        return [seq.req for seq in seqs]
 
     def _check_capacity_locked(self):
         if not self._accepting:
@@ -371,6 +436,8 @@ class Engine:
                 if plan.preempted:
                     log.info("preempted %s (KV pool exhausted); they will be recomputed",
                              [s.req.request_id for s in plan.preempted])
+            if plan.copies:
+                self._run_copies(plan)
             if plan.prefill:
                 self._run_prefill(plan.prefill)
             decode = [s for s in plan.decode if not s.req.finished and s.status == DECODE]
@@ -408,16 +475,17 @@ class Engine:
             self._load_failures.append((seq, e))
             return False
 
-    def _next_key(self):
-        self._key, sub = jax.random.split(self._key)
-        return sub
-
-    def _sampling_rows(self, seqs, n):
+    def _sampling_rows(self, seqs, n, ahead: int = 0):
+        """(temperature, top_p, top_k, key data, token index) per row; the token index of a row is
+        the number of tokens its request has generated (+ `ahead` dispatched but not yet seen)."""
         temp, top_p, top_k = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32)
+        key_data, counters = np.zeros((n, 2), np.uint32), np.zeros(n, np.int32)
         for i, s in enumerate(seqs):
             sp = s.req.sampling
             temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
-        return temp, top_p, top_k
+            key_data[i] = s.req.key_data
+            counters[i] = len(s.req.tokens) + ahead
+        return temp, top_p, top_k, key_data, counters
 
     def _row_tables(self, seqs, width):
         bt = np.full((len(seqs), width), NULL_BLOCK, np.int32)
@@ -447,17 +515,30 @@ class Engine:
             ctx_blocks = s.blocks[:-(-ch.start // bs)]
             bt[r, :len(ctx_blocks)] = ctx_blocks
         batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx), "gather")
-        temp, top_p, top_k = self._sampling_rows([ch.seq for ch in chunks], P)
-        return tokens, batch, ids, plen, temp, top_p, top_k
+        samp = self._sampling_rows([ch.seq for ch in chunks], P)
+        logprobs = any(ch.completes_prompt and ch.seq.req.sampling.logprobs is not None for ch in chunks)
+        next_tokens = None
+        if any(ch.seq.prompt_logprobs and ch.start + 1 < ch.seq.plen for ch in chunks):
+            next_tokens = np.zeros((P, C), np.int32)          # the prompt token each position predicts
+            for r, ch in enumerate(chunks):
+                nxt = ch.seq.tokens[ch.start + 1:ch.start + ch.length + 1]
+                next_tokens[r, :len(nxt)] = nxt
+        return tokens, batch, ids, plen, samp, (logprobs, next_tokens is not None, True), next_tokens
 
-    def _call(self, tokens, batch, bank, ids, plen, temp, top_p, top_k):
-        """One jitted step (dispatched asynchronously): device array of sampled token ids."""
+    def _call(self, tokens, batch, bank, ids, plen, samp, flags=(False, False, False), next_tokens=None):
+        """One jitted step (dispatched asynchronously): device array of sampled token ids, or a dict
+        of device arrays (`paged_step`) when flags = (logprobs, prompt_logprobs, return_logits) ask
+        for more."""
+        temp, top_p, top_k, key_data, counters = samp
+        logprobs, prompt_logprobs, return_logits = flags
         with self.runner.mesh_context():
-            nxt, self.cache = self._step_fn(self.runner.graphdef, self.runner.state, jnp.asarray(tokens), batch,
-                                            self.cache, bank, None if bank is None else jnp.asarray(ids),
-                                            jnp.asarray(plen), jnp.asarray(temp), jnp.asarray(top_p),
-                                            jnp.asarray(top_k), self._next_key())
-        return nxt
+            out, self.cache = self._step_fn(
+                self.runner.graphdef, self.runner.state, jnp.asarray(tokens), batch, self.cache, bank,
+                None if bank is None else jnp.asarray(ids), jnp.asarray(plen), jnp.asarray(temp),
+                jnp.asarray(top_p), jnp.asarray(top_k), (jnp.asarray(key_data), jnp.asarray(counters)),
+                None if next_tokens is None else jnp.asarray(next_tokens),
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, return_logits=return_logits)
+        return out
 
     def _run_prefill(self, chunks: list[Chunk]):
         try:
@@ -470,9 +551,10 @@ class Engine:
                 for ch in chunks:
                     self._run_prefill([ch])
             return
-        tokens, batch, ids, plen, temp, top_p, top_k = arrays
+        tokens, batch, ids, plen, samp, flags, next_tokens = arrays
         try:
-            nxt = np.asarray(self._call(tokens, batch, self.registry.bank, ids, plen, temp, top_p, top_k))
+            out = self._call(tokens, batch, self.registry.bank, ids, plen, samp, flags, next_tokens)
+            host = _to_host(out)
         except Exception:  # noqa: BLE001
             ids_ = [ch.seq.req.request_id for ch in chunks]
             log.exception("prefill step failed for requests %s", ids_)
@@ -485,6 +567,7 @@ class Engine:
             elif not chunks[0].seq.req.finished:
                 self._terminate(chunks[0].seq.req, error=_engine_failure("prefilling its prompt", chunks[0].seq.req))
             return
+        nxt = host["tokens"]
         with self._state:
             for r, ch in enumerate(chunks):
                 seq = ch.seq
@@ -493,11 +576,63 @@ class Engine:
                 seq.num_computed += ch.length
                 self.metrics.prompt_tokens += ch.length
                 self.scheduler.register_computed(seq)
+                if seq.prompt_logprobs and "prompt_logprob" in host:
+                    self._record_prompt_logprobs(seq, ch, host, r)
                 if seq.num_computed == len(seq.tokens):
                     seq.status = DECODE
                     if self.config.mode == "prefill" and seq.ref is not None:
                         self.registry.unpin(seq.ref)           # PreFT: the adapter's device slot is free again
-                    self._accept_safely(seq, int(nxt[r]))
+                    if seq.prompt_logprobs:
+                        for s_ in [seq, *seq.forks]:
+                            s_.req.emit(("prompt_logprobs", seq.prompt_logprobs))
+                        seq.prompt_logprobs = []               # sent (a recompute after preemption resends nothing)
+                    forks = self._fork(seq, out["logits"], r) if seq.forks else []
+                    self._accept_safely(seq, int(nxt[r]), _entry(host, r, seq.req.sampling.logprobs))
+                    for kid, tok, lp in forks:
+                        self._accept_safely(kid, tok, lp)
+
+    def _record_prompt_logprobs(self, seq: Sequence, ch: Chunk, host: dict, r: int):
+        k = seq.req.sampling.prompt_logprobs
+        for j in range(ch.length):
+            pos = ch.start + j + 1
+            if pos < seq.plen and seq.prompt_logprobs[pos] is None:
+                seq.prompt_logprobs[pos] = (float(host["prompt_logprob"][r, j]),
+                                            [(int(i), float(v)) for i, v in zip(host["prompt_top_ids"][r, j, :k],
+                                                                                host["prompt_top_values"][r, j, :k])])
+
+    def _fork(self, parent: Sequence, logits, row: int) -> list:
+        """The parent's prefill ended: its live siblings join the running set sharing its blocks and
+        draw their first tokens from the same logits row. Returns [(seq, token, logprob entry)]."""
+        kids, parent.forks = parent.forks, []
+        live = []
+        for kid in kids:
+            if kid.req.finished:
+                continue
+            if kid.req.cancelled:
+                self._terminate(kid.req, "cancelled")
+                continue
+            if kid.ref is not None:
+                kid.ref.entry = parent.ref.entry              # the same adapter version as the prefill
+            self.scheduler.fork(parent, kid)
+            if self.config.mode == "all" and kid.ref is not None:
+                self.registry.pin(kid.ref)                    # the parent's slot: pinned, so a hit
+            live.append(kid)
+        if not live:
+            return []
+        try:
+            S = _bucket(len(live), self.fork_buckets)
+            temp, top_p, top_k, key_data, counters = self._sampling_rows(live, S)
+            sp = parent.req.sampling
+            out = sample_rows(logits, jnp.full(S, row, jnp.int32), jnp.asarray(temp), jnp.asarray(top_p),
+                              jnp.asarray(top_k), jnp.asarray(key_data), jnp.asarray(counters),
+                              logprobs=sp.logprobs is not None)
+            host = _to_host(out)
+        except Exception:  # noqa: BLE001 - these requests' own sampling: fail them alone
+            log.exception("could not sample the first tokens of %s", [k.req.request_id for k in live])
+            for kid in live:
+                self._terminate(kid.req, error=_engine_failure("sampling its first token", kid.req))
+            return []
+        return [(kid, int(host["tokens"][i]), _entry(host, i, sp.logprobs)) for i, kid in enumerate(live)]
 
     # ---- decode ----------------------------------------------------------------------------
     def _decode_inputs(self, seqs: list[Sequence], ahead: int):
@@ -520,19 +655,41 @@ class Engine:
         bt[:len(seqs)] = self._row_tables(seqs, nb)
         batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx),
                            self.decode_attention)
-        return tokens, batch, ids, plen, *self._sampling_rows(seqs, R)
+        return tokens, batch, ids, plen, self._sampling_rows(seqs, R, ahead)
 
     def _dispatch_decode(self, seqs, ahead, prev_tokens=None, prev_rows=None):
         """Dispatches one decode call (asynchronously); with `prev_tokens` (the device output of the
         call before, not yet seen by the host) each row's input token is taken from it on device."""
-        tokens, batch, ids, plen, temp, top_p, top_k = self._decode_inputs(seqs, ahead)
+        tokens, batch, ids, plen, samp = self._decode_inputs(seqs, ahead)
         if prev_tokens is not None:
+            if isinstance(prev_tokens, dict):
+                prev_tokens = prev_tokens["tokens"]
             where = {id(s): i for i, s in enumerate(prev_rows)}
             index = np.zeros(self.config.max_num_seqs, np.int32)
             index[:len(seqs)] = [where[id(s)] for s in seqs]
             tokens = _take_tokens(prev_tokens, jnp.asarray(index))
         bank = self.registry.bank if self.config.mode == "all" else None
-        return self._call(tokens, batch, bank, ids, plen, temp, top_p, top_k)
+        logprobs = any(s.req.sampling.logprobs is not None for s in seqs)
+        return self._call(tokens, batch, bank, ids, plen, samp, (logprobs, False, False))
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]):
+        """Device copies of shared partial blocks (copy-on-write), padded to one shape (0 -> 0)."""
+        src = np.zeros(self.config.max_num_seqs, np.int32)
+        dst = np.zeros(self.config.max_num_seqs, np.int32)
+        for i, (a, b) in enumerate(copies):
+            src[i], dst[i] = a, b
+        self.cache = copy_blocks(self.cache, jnp.asarray(src), jnp.asarray(dst))
+
+    def _run_copies(self, plan):
+        """Copy-on-write before anything reads or writes this step (a failure fails the decode rows)."""
+        try:
+            self._copy_blocks(plan.copies)
+        except Exception:  # noqa: BLE001
+            log.exception("block copy failed; failing decoding requests %s", [s.req.request_id for s in plan.decode])
+            self.metrics.step_failures["decode"] += 1
+            for s in plan.decode:
+                self._terminate(s.req, error=_engine_failure("decoding", s.req))
+            self._recover_cache()
 
     def _run_decode(self, seqs: list[Sequence], iterations: int = 1):
         """`iterations` decode calls for the running sequences. From the second on, each call is
@@ -569,15 +726,16 @@ class Engine:
                 self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
 
-    def _process_decode(self, rows, nxt_device):
-        nxt = np.asarray(nxt_device)                            # the one host transfer of the call
+    def _process_decode(self, rows, out):
+        host = _to_host(out)                                    # the one host transfer of the call
+        nxt = host["tokens"]
         with self._state:
             for r, s in enumerate(rows):
                 if s.req.finished or s.status != DECODE:
                     continue
                 s.num_computed += 1
                 self.scheduler.register_computed(s)
-                self._accept_safely(s, int(nxt[r]))
+                self._accept_safely(s, int(nxt[r]), _entry(host, r, s.req.sampling.logprobs))
 
     def _recover_cache(self):
         """After a failed call: if the donated KV pool was consumed, rebuild it, forget the prefix
@@ -598,15 +756,19 @@ class Engine:
             self.cache = self._new_cache()
 
     # ---- tokens ----------------------------------------------------------------------------
-    def _accept_safely(self, seq: Sequence, token: int):
+    def _accept_safely(self, seq: Sequence, token: int, logprob=None):
         try:
-            self._accept(seq, token)
+            if logprob is None:
+                self._accept(seq, token)
+            else:
+                self._accept(seq, token, logprob)
         except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
             log.exception("request %s: could not process its token", seq.req.request_id)
             self._terminate(seq.req, error=_engine_failure("processing its output", seq.req))
 
-    def _accept(self, seq: Sequence, token: int):
-        """Records a sampled token; retires the request when it is finished."""
+    def _accept(self, seq: Sequence, token: int, logprob=None):
+        """Records a sampled token (and its log-prob entry, when asked for); retires the request
+        when it is finished."""
         req = seq.req
         now = time.monotonic()
         if req.first_token_at is None:
@@ -620,6 +782,8 @@ class Engine:
             return self._terminate(req, "stop")
         seq.tokens.append(token)
         req.tokens.append(token)
+        if logprob is not None:
+            req.emit(("logprobs", [logprob]))
         req.emit(("tokens", [token]))
         if len(req.tokens) >= req.sampling.max_new_tokens or len(seq.tokens) >= self.config.max_model_len:
             return self._terminate(req, "length")
@@ -630,6 +794,9 @@ class Engine:
             return
         with self._state:
             seq = self._seqs.pop(req, None)
+            forks, seq_forks = [], seq.forks if seq is not None else []
+            if seq_forks:                 # ended before its prefill: its siblings end with it
+                forks, seq.forks = seq_forks, []
             if seq is not None:
                 try:
                     self.scheduler.remove(seq)
@@ -639,6 +806,8 @@ class Engine:
                 if seq is not None and seq in self._inbox:
                     self._inbox.remove(seq)
         self.registry.release(req.adapter_ref)
+        for kid in forks:
+            self._terminate(kid.req, reason, error)
         if error is not None:
             req.error = error
             self.metrics.requests_failed[error.code] += 1
@@ -666,24 +835,38 @@ class Engine:
         drop = self.num_blocks * bs
         bank = self.registry.bank
         shapes = self.prefill_buckets()
+        lp_variants = [(False, False), (True, False), (True, True)] if c.warmup_logprobs else [(False, False)]
+        P = c.max_prefill_seqs
+        logits = None
         for i, (C, nb) in enumerate(shapes):
             if progress:
                 progress(f"compiling prefill {i + 1}/{len(shapes)} (chunk {C} tokens, context {nb} blocks)")
-            P = c.max_prefill_seqs
-            batch = PagedBatch(jnp.zeros((P, nb), jnp.int32), jnp.zeros(P, jnp.int32), jnp.zeros(P, jnp.int32),
-                               jnp.full((P, C), drop, jnp.int32), "gather")
-            self._call(np.zeros((P, C), np.int32), batch, bank, np.zeros(P, np.int32), np.ones(P, np.int32),
-                       *self._sampling_rows([], P))
+            for lp, plp in lp_variants:
+                batch = PagedBatch(jnp.zeros((P, nb), jnp.int32), jnp.zeros(P, jnp.int32), jnp.zeros(P, jnp.int32),
+                                   jnp.full((P, C), drop, jnp.int32), "gather")
+                out = self._call(np.zeros((P, C), np.int32), batch, bank, np.zeros(P, np.int32), np.ones(P, np.int32),
+                                 self._sampling_rows([], P), (lp, plp, True),
+                                 np.zeros((P, C), np.int32) if plp else None)
+                logits = out["logits"]
         dbank = bank if c.mode == "all" else None
         R = c.max_num_seqs
         for i, nb in enumerate(self.block_buckets):
             if progress:
                 progress(f"compiling decode {i + 1}/{len(self.block_buckets)} (context {nb} blocks)")
-            batch = PagedBatch(jnp.zeros((R, nb), jnp.int32), jnp.zeros(R, jnp.int32), jnp.zeros(R, jnp.int32),
-                               jnp.full((R, 1), drop, jnp.int32), self.decode_attention)
-            out = self._call(np.zeros((R, 1), np.int32), batch, dbank, np.zeros(R, np.int32), np.ones(R, np.int32),
-                             *self._sampling_rows([], R))
-            _take_tokens(out, jnp.zeros(R, jnp.int32))
+            for lp, _ in lp_variants[:2]:
+                batch = PagedBatch(jnp.zeros((R, nb), jnp.int32), jnp.zeros(R, jnp.int32), jnp.zeros(R, jnp.int32),
+                                   jnp.full((R, 1), drop, jnp.int32), self.decode_attention)
+                out = self._call(np.zeros((R, 1), np.int32), batch, dbank, np.zeros(R, np.int32),
+                                 np.ones(R, np.int32), self._sampling_rows([], R), (lp, False, False))
+                _take_tokens(out["tokens"] if isinstance(out, dict) else out, jnp.zeros(R, jnp.int32))
+        if progress:
+            progress(f"compiling forks ({len(self.fork_buckets)} sizes) and block copies")
+        for S in self.fork_buckets:
+            for lp, _ in lp_variants[:2]:
+                temp, top_p, top_k, key_data, counters = self._sampling_rows([], S)
+                sample_rows(logits, jnp.zeros(S, jnp.int32), jnp.asarray(temp), jnp.asarray(top_p),
+                            jnp.asarray(top_k), jnp.asarray(key_data), jnp.asarray(counters), logprobs=lp)
+        self._copy_blocks([])
         jax.block_until_ready(self.cache.k)
         return time.monotonic() - t0
 

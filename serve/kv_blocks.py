@@ -98,6 +98,16 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """Takes one more reference on each (held) block: a forked sequence shares its parent's KV."""
+        for block in blocks:
+            if block == NULL_BLOCK or self._ref[block] <= 0:
+                raise RuntimeError(f"KV block {block} is not held; it cannot be shared")
+            self._ref[block] += 1
+
+    def refcount(self, block: int) -> int:
+        return int(self._ref[block])
+
     # ---- prefix cache -----------------------------------------------------------------------
     def lookup(self, h: bytes) -> int | None:
         """The cached block with hash `h`, with a reference taken (a hit), or None."""

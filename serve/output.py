@@ -3,7 +3,12 @@ stop strings and UTF-8 hold-back happen here, in the consumer (the server's even
 thread calling `Request.stream()`), in time linear in the output length.
 
 Engine events:  ("tokens", [ids]) ... then ("finished", reason) or ("error", EngineError)
+                (with log-probabilities asked for: ("logprobs", entries) before each "tokens", and
+                ("prompt_logprobs", entries) once)
 Public events:  ("delta", (ids, text)) ... then ("done", Result) or ("error", EngineError)
+
+Log-prob entries are kept aligned with the kept tokens: `self.logprobs[i]` is token `self.tokens[i]`'s
+(a consumer streaming them reads the entries of each delta's ids from there).
 
 A stop string reached in the text ends the request at once for the consumer (the text is cut before
 it, the tokens after the one that completed it are dropped) and cancels it in the engine, which
@@ -22,6 +27,9 @@ class RequestOutput:
         self.req, self.tokenizer, self.cancel = req, tokenizer, cancel
         self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, req.stop_strings)
         self.tokens: list[int] = []
+        self.logprobs: list | None = None if req.sampling.logprobs is None else []
+        self.prompt_logprobs: list | None = None
+        self._pending_logprobs: list = []
         self.done = False
 
     def handle(self, event) -> list:
@@ -29,8 +37,18 @@ class RequestOutput:
         if self.done:
             return []
         kind, payload = event
+        if kind == "logprobs":
+            self._pending_logprobs += list(payload)
+            return []
+        if kind == "prompt_logprobs":
+            self.prompt_logprobs = list(payload)
+            return []
         if kind == "tokens":
             ids = [int(t) for t in payload]
+            if self.logprobs is not None:
+                entries = self._pending_logprobs[:len(ids)]
+                self._pending_logprobs = self._pending_logprobs[len(ids):]
+                self.logprobs += entries + [None] * (len(ids) - len(entries))
             if self.detok is None:
                 self.tokens += ids
                 return [("delta", (ids, ""))]
@@ -40,6 +58,8 @@ class RequestOutput:
             if out.stopped:
                 keep = out.n_tokens - before                # tokens up to the one completing the stop string
                 self.tokens = self.tokens[:out.n_tokens]
+                if self.logprobs is not None:
+                    self.logprobs = self.logprobs[:out.n_tokens]
                 if self.cancel is not None:
                     self.cancel(self.req)
                 events = [("delta", (ids[:keep], out.text))] if keep or out.text else []
@@ -58,6 +78,7 @@ class RequestOutput:
         self.done = True
         text = None if self.detok is None else self.detok.text
         result = Result(self.req.request_id, self.req.adapter, list(self.tokens), text, reason,
-                        len(self.req.prompt_ids))
+                        len(self.req.prompt_ids), None if self.logprobs is None else list(self.logprobs),
+                        self.prompt_logprobs)
         self.req.result = result
         return ("done", result)

@@ -1,9 +1,8 @@
 """OpenAI request bodies -> validated values. Every check raises `BadRequest` (HTTP 400) naming the
 field, so nothing malformed reaches tokenization or the engine.
 
-Fields the server cannot honour yet (`logit_bias`, `response_format` other than text, tools, `n` > 1,
-`logprobs`, `echo`, `suffix`, `best_of` > 1, penalties) are a 400; unknown fields are ignored, as
-OpenAI does.
+Fields the server cannot honour yet (`logit_bias`, `response_format` other than text, tools, `suffix`,
+`best_of` other than `n`, penalties) are a 400; unknown fields are ignored, as OpenAI does.
 """
 from __future__ import annotations
 
@@ -11,12 +10,14 @@ import json
 import math
 from typing import Any
 
-from preft_jax.sampling import INT32_MAX, SamplingParams
+from preft_jax.sampling import INT32_MAX, MAX_TOP_LOGPROBS, SamplingParams
 from serve.errors import RequestError
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_NAME_CHARS = 256
+MAX_PROMPTS = 64          # prompts in one /v1/completions request
+MAX_CHOICES = 128         # prompts x n in one request
 
 
 class BadRequest(RequestError):
@@ -108,27 +109,50 @@ def stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(text(s, "stop", MAX_STOP_CHARS) for s in stop)
 
 
-def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], vocab_size: int) -> SamplingParams:
+def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], vocab_size: int,
+             logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     temperature = number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = integer(body, "top_k", 0, -1, vocab_size)           # -1 or 0: off (vLLM uses -1)
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k), max_new_tokens=max_tokens,
-                          stop_token_ids=stop_ids)
+                          stop_token_ids=stop_ids, seed=body.get("seed"), logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)
+
+
+def n_choices(body: dict, max_n: int, prompts: int = 1) -> int:
+    """`n` in [1, max_n] (the engine's running sequences), with prompts x n <= MAX_CHOICES."""
+    n = integer(body, "n", 1, 1, max_n)
+    if prompts * n > MAX_CHOICES:
+        raise BadRequest(f"{prompts} prompt(s) x n={n} is {prompts * n} choices; at most {MAX_CHOICES} per "
+                         f"request", "n")
+    best_of = integer(body, "best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise BadRequest(f"'best_of' is not supported (absent or equal to n={n})", "best_of")
+    return n
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """`logprobs: true` [+ `top_logprobs: k`] -> k (0 without top_logprobs); None when off."""
+    on = get(body, "logprobs", bool, False)
+    top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top and not on:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def completion_logprobs(body: dict) -> int | None:
+    """Legacy `logprobs: k` (an integer in [0, MAX_TOP_LOGPROBS]) -> k; None when absent."""
+    if "top_logprobs" in body and body["top_logprobs"] is not None:
+        raise BadRequest("'top_logprobs' is a chat field; /v1/completions takes 'logprobs': <integer>",
+                         "top_logprobs")
+    return integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
 
 
 def common_checks(body: dict) -> None:
     """Fields shared by both endpoints that are validated or refused (400) but not otherwise used."""
-    if integer(body, "n", 1, 1) != 1:
-        raise BadRequest("only n=1 is supported", "n")
-    if integer(body, "best_of", 1, 1) != 1:
-        raise BadRequest("only best_of=1 is supported", "best_of")
     for key in ("presence_penalty", "frequency_penalty"):
         if number(body, key, 0.0, -2.0, 2.0) != 0:
             raise BadRequest(f"'{key}' is not supported (must be 0 or absent)", key)
-    if body.get("logprobs") not in (None, False):
-        raise BadRequest("'logprobs' is not supported", "logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise BadRequest("'top_logprobs' is not supported", "top_logprobs")
     if body.get("logit_bias"):
         raise BadRequest("'logit_bias' is not supported", "logit_bias")
     fmt = body.get("response_format")
@@ -138,7 +162,7 @@ def common_checks(body: dict) -> None:
         raise BadRequest("tool / function calling is not supported", "tools")
     if body.get("tool_choice") not in (None, "none"):
         raise BadRequest("'tool_choice' is not supported", "tool_choice")
-    integer(body, "seed", None, -(2 ** 63), 2 ** 64 - 1)      # validated; sampling is seeded per engine
+    integer(body, "seed", None, -(2 ** 63), 2 ** 64 - 1)      # per request: same seed, same output
     get(body, "user", str, "")
     get(body, "stream", bool, False)
     so = get(body, "stream_options", dict, {})
@@ -152,6 +176,16 @@ def max_tokens(body: dict, keys: tuple[str, ...], default: int, prompt_len: int,
         if v is not None:
             return v               # the engine refuses prompt + max_tokens > context with a clear 400
     return max(1, min(default, max_len - prompt_len - 1))
+
+
+def completion_prompts(body: dict) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a list of those (at most MAX_PROMPTS)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' takes at most {MAX_PROMPTS} prompts per request", "prompt")
+        return [completion_prompt({"prompt": p}) for p in prompt]
+    return [completion_prompt(body)]
 
 
 def completion_prompt(body: dict) -> str | list[int]:
@@ -169,8 +203,6 @@ def completion_prompt(body: dict) -> str | list[int]:
         return list(prompt)
     if prompt is None:
         raise BadRequest("'prompt' is a required field", "prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
     raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 

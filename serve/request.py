@@ -4,6 +4,10 @@ The engine puts token-level events into `Request.events` (a `queue.Queue` by def
 with `.put`, e.g. the server's asyncio bridge):
 
     ("tokens", [token_ids])          zero or more, as tokens are produced
+    ("logprobs", [entries])          before each "tokens" event when `sampling.logprobs` is set:
+                                     per token (logprob, [(id, logprob)] * k)
+    ("prompt_logprobs", entries)     once, when `sampling.prompt_logprobs` is set: per prompt token
+                                     (entry 0 is None: nothing predicts the first token)
     ("finished", reason)             "stop" (stop token), "length" or "cancelled"
     ("error", EngineError)           failed: engine fault, deadline, shutdown
 
@@ -51,6 +55,8 @@ class Result:
     text: str | None              # decoded text (None without a tokenizer), cut before a stop string
     finish_reason: str            # "stop" | "length" | "cancelled"
     prompt_tokens: int
+    logprobs: list | None = None          # per generated token (logprob, [(id, logprob)] * k), if asked for
+    prompt_logprobs: list | None = None   # per prompt token, entry 0 None, if asked for
 
     @property
     def completion_tokens(self) -> int:
@@ -84,6 +90,7 @@ class Request:
     submitted_at: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    key_data: object = None                # uint32 [2]: this request's sampling key (set by the engine)
     tokenizer: object = dataclasses.field(default=None, repr=False)      # for wait() / stream()
     on_stop: object = dataclasses.field(default=None, repr=False)        # cancels in the engine
     _output: object = dataclasses.field(default=None, repr=False)

@@ -18,6 +18,13 @@ Prefix caching: on admission, the leading full blocks of a sequence's tokens are
 (`kv_blocks.block_hashes`): tokens up to the block's end plus, when any of those positions is
 adapted, the adapter's identity (weights digest + policy). After each step the newly completed full
 blocks are registered. The last prompt token is always computed (its logits sample the first token).
+
+Parallel samples (`n` > 1): the n sequences of one prompt are prefilled once, by the first of them;
+the other n - 1 wait in its `forks` (holding admission room for their rows) and join the running
+set when its prefill ends (`fork`), sharing every prompt block by reference. A shared block that is
+only partly filled (the prompt's last block, when the prompt length is not a multiple of the block
+size) is copied on its first write (`copy_on_write`): each sequence gets its own copy before its
+first generated token's K/V lands there, so no sequence ever writes into a block another reads.
 """
 from __future__ import annotations
 
@@ -46,6 +53,8 @@ class Sequence:
     hashes: list[bytes] | None = None    # prefix hashes of full blocks (computed when admitted)
     first_adapted: int = 1 << 62
     preemptions: int = 0
+    forks: list["Sequence"] = dataclasses.field(default_factory=list)   # n > 1: siblings waiting for its prefill
+    prompt_logprobs: list | None = None  # per prompt position (entry 0 stays None), filled by prefill chunks
 
     @property
     def ref(self):
@@ -65,6 +74,7 @@ class StepPlan:
     decode: list[Sequence]
     prefill: list[Chunk]
     preempted: list[Sequence]
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (src, dst) block copies first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +127,39 @@ class Scheduler:
         seq.blocks.extend(self.pool.allocate_many(need))
         return True
 
+    def copy_on_write(self, seq: Sequence, pos: int) -> tuple[int, int] | None:
+        """Before position `pos` is written: if its block is shared (a fork's partial prompt block),
+        gives `seq` a private block and returns (src, dst) for the device copy; None otherwise.
+        Raises NoFreeBlocks when the pool has no block left (the caller preempts or waits)."""
+        i = pos // self.config.block_size
+        if i >= len(seq.blocks) or self.pool.refcount(seq.blocks[i]) <= 1:
+            return None
+        src = seq.blocks[i]
+        dst = self.pool.allocate()
+        self.pool.free([src])
+        seq.blocks[i] = dst
+        if seq.registered > i:
+            seq.registered = i
+        return src, dst
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a sibling of `parent`, same prompt) joins the running set sharing the parent's
+        computed blocks; it decodes next."""
+        self.pool.share(parent.blocks)
+        child.blocks = list(parent.blocks)
+        child.num_computed = parent.num_computed
+        child.registered = parent.registered
+        child.hashes = parent.hashes
+        child.first_adapted = parent.first_adapted
+        child.status = DECODE
+        self._admissions += 1
+        child.admitted_at = self._admissions
+        self.running.append(child)
+
+    def rows_reserved(self) -> int:
+        """Running rows plus those held for forks still waiting for their parent's prefill."""
+        return len(self.running) + sum(len(s.forks) for s in self.running)
+
     def preempt(self, seq: Sequence) -> None:
         """Back to the front of the queue; its tokens (prompt + generated) are recomputed later."""
         self.running.remove(seq)
@@ -139,10 +182,13 @@ class Scheduler:
         return self.registry.identity(ref), fa
 
     def _lookup_prefix(self, seq: Sequence) -> None:
-        """Takes cached blocks for the sequence's leading full blocks (never its last token's block)."""
+        """Takes cached blocks for the sequence's leading full blocks (never its last token's block;
+        none when the request wants log-probabilities of its prompt tokens: they are computed)."""
         key, seq.first_adapted = self._identity_and_policy(seq)
         bs = self.config.block_size
         usable = (len(seq.tokens) - 1) // bs          # the last token must be computed
+        if seq.req.sampling.prompt_logprobs is not None:
+            usable = 0
         seq.hashes = block_hashes(seq.tokens, bs, seq.first_adapted, key)
         hits = []
         for h in seq.hashes[:usable]:
@@ -175,6 +221,7 @@ class Scheduler:
         """adapter_ready(seq) -> bool: the sequence's adapter is loaded (host tier) and can be pinned."""
         c = self.config
         budget = c.max_num_batched_tokens
+        self._copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
         decode: list[Sequence] = []
         for seq in list(self.running):
@@ -186,7 +233,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq in self.running and self._private_block(seq, preempted):
                 decode.append(seq)
         budget -= len(decode)
         prefill: list[Chunk] = []
@@ -199,7 +246,8 @@ class Scheduler:
             prefill.append(chunk)
             budget -= chunk.length
         for seq in self._admission_order(adapter_ready):
-            if budget <= 0 or len(prefill) >= c.max_prefill_seqs or len(self.running) >= c.max_num_seqs:
+            if (budget <= 0 or len(prefill) >= c.max_prefill_seqs
+                    or self.rows_reserved() + 1 + len(seq.forks) > c.max_num_seqs):
                 break
             if not self._admit(seq):
                 break
@@ -209,7 +257,24 @@ class Scheduler:
                 break
             prefill.append(chunk)
             budget -= chunk.length
-        return StepPlan(decode, prefill, preempted)
+        return StepPlan(decode, prefill, preempted, self._copies)
+
+    def _private_block(self, seq: Sequence, preempted: list) -> bool:
+        """Copy-on-write of the block this step's decode writes into; preempts like `grow` when the
+        pool is out of blocks. False when `seq` itself was preempted."""
+        while True:
+            try:
+                cp = self.copy_on_write(seq, seq.num_computed)
+                break
+            except NoFreeBlocks:
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    return False
+        if cp is not None:
+            self._copies.append(cp)
+        return True
 
     def _admission_order(self, adapter_ready) -> list[Sequence]:
         now = time.monotonic()

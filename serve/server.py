@@ -39,7 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from preft_jax.sampling import SamplingParams
 from serve import protocol
 from serve.access import ServerConfig, check_admin, check_api_key, resolve_adapter_path
-from serve.bridge import AsyncSink, ClientGone, collect
+from serve import logprobs as logprobs_fmt
+from serve.bridge import AsyncSink, ClientGone, TaggedSink, collect_many
 from serve.errors import AdapterExistsError, AdapterLoadError, EngineError, PromptTooLongError, RequestError
 from serve.metrics import render
 from serve.middleware import LimitsMiddleware
@@ -115,6 +116,7 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
     tok_limiter = anyio.CapacityLimiter(config.tokenizer_threads)
     max_token_bytes = getattr(tokenizer, "max_token_bytes", None)
     retry = {"Retry-After": str(config.retry_after_s)}
+    token_text = logprobs_fmt.TokenText(tokenizer)
 
     # ---- errors ------------------------------------------------------------------------------
     @app.exception_handler(RequestError)
@@ -165,18 +167,31 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles, ...)
             raise BadRequest(f"could not apply the chat template: {e}"[:500], "messages") from None
 
-    async def _submit(request: Request, prompt_ids: list[int], adapter: str | None, sp: SamplingParams,
-                      stop: tuple[str, ...]):
+    async def _submit(request: Request, prompts: list[list[int]], adapter: str | None,
+                      sps: list[SamplingParams], stop: tuple[str, ...], n: int):
+        """Every prompt x n completions, all or nothing: (requests in choice order, their shared sink).
+        Choice k is prompt k // n, sample k % n (OpenAI's order)."""
         if adapter is not None:        # load it (disk -> host) before anything starts: errors are 4xx
             await asyncio.wait_for(asyncio.wrap_future(engine.registry.prepare(adapter)),
                                    engine.config.request_timeout)
         sink = AsyncSink()
-        req = engine.submit(prompt_ids, adapter, sp, stop, events=sink, request_id=_rid(request))
-        return req, sink
+        rid = _rid(request)
+        reqs = []
+        try:
+            for i, (ids, sp) in enumerate(zip(prompts, sps)):
+                sinks = [TaggedSink(sink, len(reqs) + j) for j in range(n)]
+                reqs += engine.submit_n(ids, adapter, sp, n, stop, events=sinks,
+                                        request_id=rid if len(prompts) == 1 else f"{rid}-p{i}")
+        except BaseException:
+            for r in reqs:
+                engine.cancel(r)
+            raise
+        return reqs, sink
 
-    def _usage(result) -> dict:
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens}
+    def _usage(prompts: list[list[int]], results) -> dict:
+        p = sum(len(ids) for ids in prompts)          # each prompt once, whatever n
+        c = sum(r.completion_tokens for r in results)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _text(result) -> str:
         return result.text if result.text is not None else tokenizer.decode(result.tokens)
@@ -184,42 +199,51 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
     def _sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def _stream(req, sink, make_chunk, first: list[dict], include_usage: bool):
-        """SSE over the request's events: `make_chunk(text | None, finish_reason | None)` -> chunk.
-        A client disconnect cancels the generator (Starlette), and `finally` cancels the request."""
-        out = req.output()
+    async def _stream(reqs, sink, first: list[dict], on_delta, on_done, usage):
+        """SSE over the requests' events: on_delta(k, output, ids, text) and on_done(k, output, result)
+        give choice k's chunks; `usage(results)` the final usage chunk (None: none). A client
+        disconnect cancels the generator (Starlette), and `finally` cancels the requests."""
+        outs = [r.output() for r in reqs]
+        deadline = max((r.deadline for r in reqs if r.deadline is not None), default=None)
+        results = [None] * len(reqs)
         try:
             for chunk in first:
                 yield _sse(chunk)
-            done = False
-            while not done:
-                for kind, payload in out.handle(await sink.get(req.deadline)):
+            left = len(reqs)
+            while left:
+                tag, event = await sink.get(deadline)
+                for kind, payload in outs[tag].handle(event):
                     if kind == "delta":
-                        if payload[1]:
-                            yield _sse(make_chunk(payload[1], None))
+                        for chunk in on_delta(tag, outs[tag], *payload):
+                            yield _sse(chunk)
                     elif kind == "done":
-                        yield _sse(make_chunk(None, payload.finish_reason))
-                        if include_usage:
-                            last = make_chunk(None, None)
-                            last["choices"], last["usage"] = [], _usage(payload)
-                            yield _sse(last)
-                        done = True
+                        results[tag] = payload
+                        left -= 1
+                        for chunk in on_done(tag, outs[tag], payload):
+                            yield _sse(chunk)
                     else:
                         raise payload
-        except EngineError as e:            # the engine failed this request: tell the client, end cleanly
+            if usage is not None:
+                yield _sse(usage(results))
+        except EngineError as e:            # the engine failed a request: tell the client, end cleanly
             yield _sse({"error": {"message": str(e), "type": "server_error", "code": e.code}})
         finally:
-            if not out.done:
-                http.disconnects += 1
-                engine.cancel(req)
+            live = [r for r, out in zip(reqs, outs) if not out.done]
+            if live and not any(out.done and res is None for out, res in zip(outs, results)):
+                http.disconnects += 1             # gone before the end (not ended by an engine error)
+            for r in live:
+                engine.cancel(r)
         yield "data: [DONE]\n\n"
 
-    async def _wait(request: Request, req, sink):
+    async def _wait(request: Request, reqs, sink):
         try:
-            return await collect(engine, req, sink, request.is_disconnected)
+            return await collect_many(engine, reqs, sink, request.is_disconnected)
         except ClientGone:
             http.disconnects += 1
             return None
+
+    def _include_usage(body) -> bool:
+        return bool((body.get("stream_options") or {}).get("include_usage"))
 
     # ---- completions -------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -228,36 +252,92 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
         body = protocol.parse_json(await request.body())
         adapter = _adapter_for(body)
         protocol.common_checks(body)
-        if body.get("echo"):
-            raise BadRequest("'echo' is not supported", "echo")
+        echo = protocol.get(body, "echo", bool, False)
         if body.get("suffix"):
             raise BadRequest("'suffix' is not supported", "suffix")
-        prompt = protocol.completion_prompt(body)
-        if isinstance(prompt, str):
-            _precheck(len(prompt.encode("utf-8")), "prompt")
-            prompt_ids = await _tokenize(tokenizer.encode, prompt)
-        else:
-            prompt_ids = prompt
-        max_tokens = protocol.max_tokens(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
-                                         max_len)
-        sp = protocol.sampling(body, max_tokens, default_stop, vocab)
+        raw_prompts = protocol.completion_prompts(body)
+        n = protocol.n_choices(body, engine.config.max_num_seqs, len(raw_prompts))
+        k_lp = protocol.completion_logprobs(body)
         stop = protocol.stop_strings(body)
-        req, sink = await _submit(request, prompt_ids, adapter, sp, stop)
+        prompts, prompt_texts, sps = [], [], []
+        for prompt in raw_prompts:
+            if isinstance(prompt, str):
+                _precheck(len(prompt.encode("utf-8")), "prompt")
+                ids = await _tokenize(tokenizer.encode, prompt)
+            else:
+                ids = prompt
+            prompts.append(ids)
+            prompt_texts.append(prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if echo else ""))
+            max_tokens = protocol.max_tokens(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, len(ids), max_len)
+            sps.append(protocol.sampling(body, max_tokens, default_stop, vocab, logprobs=k_lp,
+                                         prompt_logprobs=k_lp if echo else None))
+        reqs, sink = await _submit(request, prompts, adapter, sps, stop, n)
         rid, now, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
 
-        def chunk(text, finish):
-            return {"id": rid, "object": "text_completion", "created": now, "model": model,
-                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+        def choice(k, text, logprobs=None, finish=None):
+            return {"index": k, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        def envelope(choices):
+            return {"id": rid, "object": "text_completion", "created": now, "model": model, "choices": choices}
+
+        def echo_part(k, out):
+            """(text, logprobs) of choice k's echoed prompt."""
+            i = k // n
+            text = prompt_texts[i]
+            if k_lp is None:
+                return text, None
+            entries = out.prompt_logprobs or [None] * len(prompts[i])
+            return text, logprobs_fmt.legacy(token_text, prompts[i], entries,
+                                             logprobs_fmt.text_offsets(tokenizer, prompts[i]))
 
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(req, sink, chunk, [], include_usage), media_type="text/event-stream")
-        result = await _wait(request, req, sink)
-        if result is None:
+            sent = [[] for _ in reqs]              # ids streamed per choice
+            echoed = [not echo] * len(reqs)
+
+            def echo_chunks(k, out):
+                if echoed[k]:
+                    return []
+                echoed[k] = True
+                return [envelope([choice(k, *echo_part(k, out))])]
+
+            def on_delta(k, out, ids, text):
+                chunks = echo_chunks(k, out)
+                lp = None
+                if k_lp is not None and ids:
+                    start = len(prompt_texts[k // n]) if echo else 0
+                    lp = logprobs_fmt.legacy(token_text, ids, out.logprobs[len(sent[k]):len(sent[k]) + len(ids)],
+                                             logprobs_fmt.text_offsets(tokenizer, ids, start, sent[k]))
+                sent[k] += ids
+                if text or lp is not None:
+                    chunks.append(envelope([choice(k, text, lp)]))
+                return chunks
+
+            def on_done(k, out, result):
+                return echo_chunks(k, out) + [envelope([choice(k, "", None, result.finish_reason)])]
+
+            def usage(results):
+                return dict(envelope([]), usage=_usage(prompts, results))
+
+            return StreamingResponse(_stream(reqs, sink, [], on_delta, on_done,
+                                             usage if _include_usage(body) else None),
+                                     media_type="text/event-stream")
+        results = await _wait(request, reqs, sink)
+        if results is None:
             return _error(499, "client closed the request", "client_closed")
-        out = chunk(_text(result), result.finish_reason)
-        out["usage"] = _usage(result)
-        return out
+        choices = []
+        for k, (req, result) in enumerate(zip(reqs, results)):
+            text, lp = _text(result), None
+            if k_lp is not None:
+                start = len(prompt_texts[k // n]) if echo else 0
+                lp = logprobs_fmt.legacy(token_text, result.tokens, result.logprobs,
+                                         logprobs_fmt.text_offsets(tokenizer, result.tokens, start))
+            if echo:
+                etext, elp = echo_part(k, req.output())
+                text = etext + text
+                if lp is not None:
+                    lp = {key: elp[key] + lp[key] for key in lp}
+            choices.append(choice(k, text, lp, result.finish_reason))
+        return dict(envelope(choices), usage=_usage(prompts, results))
 
     # ---- chat completions --------------------------------------------------------------------
     def _encode_chat(msgs):
@@ -271,37 +351,63 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
         body = protocol.parse_json(await request.body())
         adapter = _adapter_for(body)
         protocol.common_checks(body)
+        n = protocol.n_choices(body, engine.config.max_num_seqs)
+        k_lp = protocol.chat_logprobs(body)
         msgs = protocol.chat_messages(body)
         _precheck(sum(len(m["content"].encode("utf-8")) for m in msgs), "the conversation",
                   CHAT_TEMPLATE_OVERHEAD_TOKENS)
         prompt_ids = await _tokenize(_encode_chat, msgs)
         max_tokens = protocol.max_tokens(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS,
                                          len(prompt_ids), max_len)
-        sp = protocol.sampling(body, max_tokens, default_stop, vocab)
+        sp = protocol.sampling(body, max_tokens, default_stop, vocab, logprobs=k_lp)
         stop = protocol.stop_strings(body)
-        req, sink = await _submit(request, prompt_ids, adapter, sp, stop)
+        reqs, sink = await _submit(request, [prompt_ids], adapter, [sp], stop, n)
         rid, now, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
 
-        def chunk(text, finish, role=False):
+        def chunk(k, text, finish, role=False, logprobs=None):
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(req, sink, chunk, [chunk("", None, role=True)], include_usage),
+            sent = [0] * len(reqs)
+
+            def on_delta(k, out, ids, text):
+                lp = None
+                if k_lp is not None and ids:
+                    lp = {"content": logprobs_fmt.chat_content(token_text, ids, out.logprobs[sent[k]:sent[k] + len(ids)]),
+                          "refusal": None}
+                sent[k] += len(ids)
+                return [chunk(k, text, None, logprobs=lp)] if text or lp is not None else []
+
+            def on_done(k, out, result):
+                return [chunk(k, None, result.finish_reason)]
+
+            def usage(results):
+                last = chunk(0, None, None)
+                last["choices"], last["usage"] = [], _usage([prompt_ids], results)
+                return last
+
+            first = [chunk(k, "", None, role=True) for k in range(len(reqs))]
+            return StreamingResponse(_stream(reqs, sink, first, on_delta, on_done,
+                                             usage if _include_usage(body) else None),
                                      media_type="text/event-stream")
-        result = await _wait(request, req, sink)
-        if result is None:
+        results = await _wait(request, reqs, sink)
+        if results is None:
             return _error(499, "client closed the request", "client_closed")
-        return {"id": rid, "object": "chat.completion", "created": now, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": _text(result)},
-                             "logprobs": None, "finish_reason": result.finish_reason}],
-                "usage": _usage(result)}
+        choices = []
+        for k, result in enumerate(results):
+            lp = None
+            if k_lp is not None:
+                lp = {"content": logprobs_fmt.chat_content(token_text, result.tokens, result.logprobs), "refusal": None}
+            choices.append({"index": k, "message": {"role": "assistant", "content": _text(result)},
+                            "logprobs": lp, "finish_reason": result.finish_reason})
+        return {"id": rid, "object": "chat.completion", "created": now, "model": model, "choices": choices,
+                "usage": _usage([prompt_ids], results)}
 
     # ---- models and adapters -----------------------------------------------------------------
     def _model_entry(name: str, kind: str) -> dict:

@@ -68,3 +68,47 @@ def test_greedy_batch_is_argmax_and_keys_matter():
     b = sample(logits, jax.random.key(2), jnp.ones(5), jnp.ones(5))
     c = sample(logits, jax.random.key(1), jnp.ones(5), jnp.ones(5))
     assert np.array_equal(a, c) and not np.array_equal(a, b)
+
+
+def test_per_row_keys_follow_the_filtered_softmax_and_ignore_batch_mates():
+    """Rows keyed per request (row_keys): a row's draw depends on its key and token index only, and
+    over many keys the draws still follow the float64 filtered softmax."""
+    from preft_jax.sampling import row_keys, seed_key_data
+    logits = np.random.default_rng(0).normal(0, 1.5, 12)
+    t, p, k, B = 0.9, 0.9, 5, 4000
+    kd = np.stack([seed_key_data(s) for s in range(B)])
+    f = jax.jit(lambda lg, kd, c: sample(lg, row_keys(kd, c), jnp.full(B, t), jnp.full(B, p), jnp.full(B, k, jnp.int32)))
+    out = np.asarray(f(jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (B, 12)), kd, np.zeros(B, np.int32)))
+    want = _reference_probs(logits, t, p, k)
+    got = np.bincount(out, minlength=12) / B
+    assert np.all(got[want == 0] == 0) and np.abs(got - want).max() < 0.035
+    # row 0 alone == row 0 among other rows (other logits, other keys, other settings)
+    rng = np.random.default_rng(1)
+    mates = rng.normal(0, 1, (5, 12)).astype(np.float32)
+    mates[0] = logits
+    kd5, ctr = np.stack([seed_key_data(7, i) for i in range(5)]), np.arange(5, dtype=np.int32) + 3
+    temps, ps, ks = jnp.asarray([1.0, 0.0, 2.0, 0.5, 1.0]), jnp.asarray([0.9, 1, 1, 0.5, 1]), jnp.asarray([0, 0, 3, 0, 0])
+    together = np.asarray(sample(jnp.asarray(mates), row_keys(kd5, ctr), temps, ps, ks))
+    for r in range(5):
+        alone = sample(jnp.asarray(mates[r:r + 1]), row_keys(kd5[r:r + 1], ctr[r:r + 1]), temps[r:r + 1],
+                       ps[r:r + 1], ks[r:r + 1])
+        assert int(alone[0]) == together[r]
+    # another token index or another seed is another draw (over 64 draws, not all equal)
+    a = [int(sample(jnp.asarray(logits[None], jnp.float32), row_keys(seed_key_data(7)[None], np.asarray([i])),
+                    jnp.ones(1), jnp.ones(1))[0]) for i in range(64)]
+    assert len(set(a)) > 1
+
+
+def test_token_logprobs_match_float64_log_softmax():
+    from preft_jax.sampling import MAX_TOP_LOGPROBS, token_logprobs
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, 3, (3, 50)).astype(np.float32)
+    tokens = np.asarray([4, 17, 49])
+    lp, vals, ids = (np.asarray(x) for x in token_logprobs(jnp.asarray(logits), jnp.asarray(tokens)))
+    x = logits.astype(np.float64)
+    ref = x - x.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp, ref[np.arange(3), tokens], atol=1e-5)
+    order = np.argsort(-ref, axis=-1)[:, :MAX_TOP_LOGPROBS]
+    np.testing.assert_array_equal(ids, order)
+    np.testing.assert_allclose(vals, np.take_along_axis(ref, order, -1), atol=1e-5)

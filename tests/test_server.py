@@ -163,7 +163,7 @@ def test_request_errors(stack):
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "y" * 100}], stream=True)
     with pytest.raises(openai.BadRequestError):
-        c.completions.create(model=BASE, prompt=PROMPT, n=2)
+        c.completions.create(model=BASE, prompt=PROMPT, n=5)        # > max_num_seqs (4)
     r = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny-base", "prompt": ',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
@@ -195,7 +195,7 @@ def test_failures_do_not_affect_running_requests(stack):
     t = threading.Thread(target=lambda: result.setdefault("text", _stream_text(url, body)))
     t.start()
     bad = [({"model": "nope", "prompt": "x"}, 404), ({"model": BASE, "prompt": "z" * 80}, 400),
-           ({"model": BASE, "prompt": "x", "n": 2}, 400), ({"model": BASE, "prompt": [300]}, 400)]
+           ({"model": BASE, "prompt": "x", "n": 5}, 400), ({"model": BASE, "prompt": [300]}, 400)]
     for _ in range(3):
         for b, status in bad:
             assert httpx.post(f"{url}/v1/completions", json=b).status_code == status

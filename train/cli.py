@@ -68,6 +68,7 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
                    help="0: only at the end of the run")
     g.add_argument("--keep-checkpoints", type=int, default=d.checkpoint.max_to_keep)
     g.add_argument("--out", default=out, help="run folder: checkpoints/, metrics.jsonl, adapter/")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--fault-after-step", type=int, default=None, help=argparse.SUPPRESS)   # tests: SIGKILL
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
@@ -97,6 +98,8 @@ def model_options(a) -> ModelOptions:
 
 def start(a) -> dist.DistributedConfig:
     """jax.distributed start-up from flags / environment, then logging (process 0 at INFO)."""
+    from preft_jax.progress import set_quiet
+    set_quiet(getattr(a, "quiet", False))
     dcfg = dist.config_from_args(a)
     dist.initialize(dcfg)
     import jax

@@ -26,6 +26,7 @@ import numpy as np
 from preft_jax.generation import ModelRunner
 from preft_jax.loading import load_model
 from preft_jax.model import Llama
+from preft_jax.progress import progress, set_quiet
 from preft_jax.sampling import SamplingParams
 from train.data import encode_prompt, eval_batches, load_split, tokenize_dataset, write_dataset
 from train.config import AdapterSpec, JsonConfig, OptimizerConfig
@@ -108,9 +109,11 @@ def run(out: pathlib.Path, ec: ExperimentConfig, only: str = "all") -> dict:
                                "mean_prompt_tokens": float(np.mean([len(p) for p in train.prompts])),
                                "mean_response_tokens": float(np.mean([len(r) for r in train.responses]))}
         sft = results.setdefault("sft", {})
+        bar = progress(None, "SFT runs", total=len(SFT_ROWS) * len(MODES), unit="run")
         for adapter, rank in SFT_ROWS:
             for mode in MODES:
                 name = f"{adapter}-r{rank}-{mode}"
+                bar.update(1)
                 if name in sft:
                     continue
                 tc = ec.sft_run(adapter, rank, mode)
@@ -244,7 +247,15 @@ def main(argv=None):
     p.add_argument("--doc", default=None, help="write the markdown report here (e.g. docs/experiments.md)")
     p.add_argument("--only", choices=("all", "sft", "grpo"), default="all")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="only render the SFT loss curves from --out's saved metrics to PNG (train/plots.py)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
+    set_quiet(a.quiet)
+    if a.plot:
+        from train.plots import sft_loss_plot
+        print(sft_loss_plot(a.out, a.plot))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ec = ExperimentConfig.quick() if a.quick else ExperimentConfig()
     results = run(pathlib.Path(a.out), ec, a.only)

@@ -30,6 +30,7 @@ import jax
 import optax
 
 from preft_jax.adapters.orbax_io import check_identity, checkpoint_identity
+from preft_jax.progress import progress
 from train import distributed as dist
 from train.common import ShardedSetup, TrainState, scalars
 from train.config import TrainerConfig
@@ -207,6 +208,8 @@ class Trainer:
             state = self.init_state()
         sink = MetricsSink(metrics_path, position)
         history, t_start, start = [], time.time(), position
+        bar = progress(None, self.name, total=until, initial=position, unit="step",
+                       quiet=None if dist.is_primary() else True)
         try:
             while position < until:
                 t0 = time.time()
@@ -220,6 +223,8 @@ class Trainer:
                     row.update(self.evaluate(state))
                 history.append(row)
                 sink.write(row)
+                bar.update(1)
+                bar.set_postfix({k: f"{row[k]:.4f}" for k in ("loss", *self.log_keys()) if k in row}, refresh=False)
                 self._log(row, position, until, start, t_start)
                 if ckpt is not None:
                     ckpt.save(position, state, position, c.to_json(), extra=self.checkpoint_meta(),
@@ -227,6 +232,7 @@ class Trainer:
                 for cb in callbacks:
                     cb(row, state)
         finally:
+            bar.close()
             sink.close()
             if ckpt is not None:
                 ckpt.close()

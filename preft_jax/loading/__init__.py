@@ -36,11 +36,11 @@ def load_model(path: str | os.PathLike | None = None, dtype=np.float32, *, cache
     cache: GGUF weights are dequantized once and then read from the weight cache (see preft_jax.cache;
     keyed by the file's SHA-256 and the dtype). None = on unless PREFT_JAX_NO_CACHE is set. HF
     safetensors folders are memory-mapped directly and never cached.
-    progress: tqdm bar for first-run dequantization (None = only when stderr is a terminal).
+    progress: tqdm bar for first-run dequantization / HF tensor loading (None = only when stderr is a terminal).
     """
     p = resolve_model_path(path)
     if p.is_dir():
-        return load_hf_folder(p, dtype=dtype)
+        return load_hf_folder(p, dtype=dtype, progress=progress)
     if cache is None:
         from preft_jax.cache.location import cache_disabled_by_env
         cache = not cache_disabled_by_env()

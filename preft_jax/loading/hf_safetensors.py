@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from preft_jax.config import ModelConfig, RopeScaling
+from preft_jax.loading.progress import progress_bar
 from preft_jax.loading.weight_names import HF_IGNORED, HF_RULES, ParamAssembler
 from preft_jax.tokenizer import Tokenizer
 
@@ -191,9 +192,10 @@ def _check_sliding_window(hf: dict[str, Any], model_type: str) -> None:
     raise ValueError(f"Sliding-window attention (sliding_window={window}) is not supported")
 
 
-def load_hf_folder(folder: str | os.PathLike, dtype=np.float32
+def load_hf_folder(folder: str | os.PathLike, dtype=np.float32, progress: bool | None = None
                    ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
-    """(config, canonical params, tokenizer) from an HF model folder."""
+    """(config, canonical params, tokenizer) from an HF model folder (progress: a tqdm bar over the
+    tensors; None = only when stderr is a terminal)."""
     folder = pathlib.Path(folder).expanduser()
     if not folder.exists():
         raise FileNotFoundError(f"Model folder does not exist: {folder}")
@@ -212,7 +214,7 @@ def load_hf_folder(folder: str | os.PathLike, dtype=np.float32
     cfg = config_from_hf(hf, tokenizer, has_lm_head="lm_head.weight" in names)
 
     asm = ParamAssembler(cfg, HF_RULES, HF_IGNORED, dtype=dtype, source=str(folder))
-    for name, st in tensors:
+    for name, st in progress_bar(tensors, progress, desc=f"loading {folder.name}", unit="tensor"):
         if asm.wants(name):
             asm.add(name, st.get(name))
     return cfg, asm.finish(), tokenizer

@@ -1,16 +1,17 @@
-"""tqdm progress bars for slow first-run work, quiet when stderr is not a terminal."""
+"""tqdm progress bars for slow first-run work, quiet when stderr is not a terminal (see preft_jax.progress)."""
 from __future__ import annotations
 
-import sys
 from typing import Iterable, TypeVar
+
+from preft_jax.progress import enabled
 
 T = TypeVar("T")
 
 
 def progress_enabled(progress: bool | None) -> bool:
-    """`None` means: show a bar only when stderr is an interactive terminal."""
+    """`None` means: show a bar only when stderr is an interactive terminal (and not set quiet)."""
     if progress is None:
-        return bool(getattr(sys.stderr, "isatty", lambda: False)())
+        return enabled(None)
     return bool(progress)
 
 
