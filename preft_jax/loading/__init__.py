@@ -21,9 +21,9 @@ def load_gguf(path=None, dtype=np.float32, progress=None):
 load_gguf.__doc__ = "See preft_jax.loading.gguf_loader.load_gguf."
 
 
-def load_hf_folder(folder, dtype=np.float32):
+def load_hf_folder(folder, dtype=np.float32, progress=None):
     from preft_jax.loading.hf_safetensors import load_hf_folder as _load
-    return _load(folder, dtype=dtype)
+    return _load(folder, dtype=dtype, progress=progress)
 
 
 load_hf_folder.__doc__ = "See preft_jax.loading.hf_safetensors.load_hf_folder."
