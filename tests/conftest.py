@@ -45,3 +45,15 @@ def default_model():
     """(ModelConfig, params dict of numpy arrays, Tokenizer) from the embedded GGUF."""
     from preft_jax.loading.gguf_loader import load_gguf
     return load_gguf(_default_gguf_or_skip())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop jitted executables after each test module: the suite runs in one process and compiles
+    thousands of programs (every engine bucket, every backend), which otherwise accumulate."""
+    yield
+    import gc
+    import sys
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
