@@ -50,6 +50,7 @@ class Served:
     wall: float
     ttft: list[float]
     max_running: int
+    mean_running: float                  # sequences running, averaged over the engine's steps
     outputs: list[list[int]]
     steps: int
 
@@ -66,10 +67,13 @@ def serve(engine, prompts, adapters, max_tokens, *, check_length: bool = True) -
     steps0 = engine.steps
     handles = [engine.submit(p, a, SamplingParams(max_new_tokens=m, stop_token_ids=NO_STOP))
                for p, a, m in zip(prompts, adapters, mts)]
-    peak = 0
+    peak, running = 0, []
     while any(not h.finished for h in handles):
         engine.step()
+        running.append(engine.active)
         peak = max(peak, engine.active)
+        if not engine.active:
+            time.sleep(0.002)            # only waiting on adapter loads (as the engine's own loop does)
     wall = time.perf_counter() - t0
     for h in handles:
         if h.error is not None:
@@ -79,7 +83,9 @@ def serve(engine, prompts, adapters, max_tokens, *, check_length: bool = True) -
         for o, m in zip(outs, mts):
             assert len(o) == m, f"a request generated {len(o)} tokens, expected {m}"
     ttft = [h.first_token_at - h.submitted_at for h in handles]
-    return Served(sum(len(o) for o in outs), wall, ttft, peak, outs, engine.steps - steps0)
+    busy = [r for r in running if r]
+    return Served(sum(len(o) for o in outs), wall, ttft, peak, float(np.mean(busy)) if busy else 0.0, outs,
+                  engine.steps - steps0)
 
 
 def stats(values) -> tuple[float, float, float]:
