@@ -157,7 +157,8 @@ def main(argv=None) -> int:
             ttft["hot"].append(serve(eng, prompt, [warm], 1).ttft[0])  # just uploaded: resident
             log(f"ttft probe {i}: cold {ttft['cold'][-1] * 1e3:.1f} ms, warm {ttft['warm'][-1] * 1e3:.1f} ms, "
                 f"hot {ttft['hot'][-1] * 1e3:.1f} ms")
-        log(f"# registry stats: {vars(reg.stats)}; occupancy {reg.occupancy()}")
+        nums = {k: v for k, v in vars(reg.stats).items() if isinstance(v, (int, float))}
+        log(f"# registry stats: {nums}; occupancy {reg.occupancy()}")
 
     log(f"\n| variant | tok/s median (min-max) | vs PreFT 16 | median TTFT s | peak running |")
     log("|---|---:|---:|---:|---:|")
