@@ -27,8 +27,9 @@ tokens are drawn from the one prefill's logits (`sample_rows`).
 PreFT adapters need the device only while the prompt is prefilled: a request pins a device bank
 slot when its prefill starts and unpins it when the prefill ends (mode "all" keeps it until the end).
 
-Shapes are bucketed (decode: `max_num_seqs` rows x block-table width; prefill: `max_prefill_seqs`
-rows x chunk length x block-table width), every bucket compiled up front by `warmup()`.
+Shapes are bucketed (decode: `max_num_seqs` rows x block-table width; prefill: rows (powers of 4 up
+to `max_prefill_seqs`, so one short prompt does not pay for a full prefill batch) x chunk length x
+block-table width), every bucket compiled up front by `warmup()`.
 
 Failure isolation: a request whose own preparation or token handling fails is failed alone; a failed
 prefill call is retried one chunk at a time so only the chunk that fails by itself fails its request;
@@ -201,6 +202,7 @@ class Engine:
         max_blocks = -(-config.max_model_len // bs)
         self.block_buckets = _pow_buckets(1, max_blocks)               # decode: every step, fine buckets
         self.prefill_block_buckets = _pow_buckets(1, max_blocks, 4)    # prefill context: coarser
+        self.prefill_row_buckets = _pow_buckets(1, config.max_prefill_seqs, 4)
         self.chunk_buckets = _pow_buckets(min(config.min_chunk, config.max_num_batched_tokens),
                                           min(config.max_num_batched_tokens, config.max_model_len))
         self._seqs: dict[Request, Sequence] = {}
@@ -497,7 +499,7 @@ class Engine:
     # ---- prefill ---------------------------------------------------------------------------
     def _prefill_arrays(self, chunks: list[Chunk]):
         c = self.config
-        bs, P = c.block_size, c.max_prefill_seqs
+        bs, P = c.block_size, _bucket(len(chunks), self.prefill_row_buckets)
         C = _bucket(max(ch.length for ch in chunks), self.chunk_buckets)
         nb = _bucket(max(1, max(-(-ch.start // bs) for ch in chunks)), self.prefill_block_buckets)
         tokens = np.zeros((P, C), np.int32)
@@ -819,10 +821,10 @@ class Engine:
         req.emit(("finished", reason))
 
     # ---- compile everything up front -------------------------------------------------------
-    def prefill_buckets(self) -> list[tuple[int, int]]:
-        """(chunk length, block-table width) of every prefill call shape."""
-        bs = self.config.block_size
-        return [(C, nb) for C in self.chunk_buckets for nb in self.prefill_block_buckets]
+    def prefill_buckets(self) -> list[tuple[int, int, int]]:
+        """(rows, chunk length, block-table width) of every prefill call shape."""
+        return [(P, C, nb) for P in self.prefill_row_buckets for C in self.chunk_buckets
+                for nb in self.prefill_block_buckets]
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compiles every prefill and decode shape before serving, so no request stalls the running
@@ -836,18 +838,17 @@ class Engine:
         bank = self.registry.bank
         shapes = self.prefill_buckets()
         lp_variants = [(False, False), (True, False), (True, True)] if c.warmup_logprobs else [(False, False)]
-        P = c.max_prefill_seqs
-        logits = None
-        for i, (C, nb) in enumerate(shapes):
+        logits = {}                                            # prefill rows -> a logits array of that shape
+        for i, (P, C, nb) in enumerate(shapes):
             if progress:
-                progress(f"compiling prefill {i + 1}/{len(shapes)} (chunk {C} tokens, context {nb} blocks)")
+                progress(f"compiling prefill {i + 1}/{len(shapes)} ({P} rows, chunk {C} tokens, context {nb} blocks)")
             for lp, plp in lp_variants:
                 batch = PagedBatch(jnp.zeros((P, nb), jnp.int32), jnp.zeros(P, jnp.int32), jnp.zeros(P, jnp.int32),
                                    jnp.full((P, C), drop, jnp.int32), "gather")
                 out = self._call(np.zeros((P, C), np.int32), batch, bank, np.zeros(P, np.int32), np.ones(P, np.int32),
                                  self._sampling_rows([], P), (lp, plp, True),
                                  np.zeros((P, C), np.int32) if plp else None)
-                logits = out["logits"]
+                logits[P] = out["logits"]
         dbank = bank if c.mode == "all" else None
         R = c.max_num_seqs
         for i, nb in enumerate(self.block_buckets):
@@ -861,11 +862,12 @@ class Engine:
                 _take_tokens(out["tokens"] if isinstance(out, dict) else out, jnp.zeros(R, jnp.int32))
         if progress:
             progress(f"compiling forks ({len(self.fork_buckets)} sizes) and block copies")
-        for S in self.fork_buckets:
+        for S in self.fork_buckets:                             # n > 1: first tokens from one prefill's logits
             for lp, _ in lp_variants[:2]:
-                temp, top_p, top_k, key_data, counters = self._sampling_rows([], S)
-                sample_rows(logits, jnp.zeros(S, jnp.int32), jnp.asarray(temp), jnp.asarray(top_p),
-                            jnp.asarray(top_k), jnp.asarray(key_data), jnp.asarray(counters), logprobs=lp)
+                for rows_logits in logits.values():
+                    temp, top_p, top_k, key_data, counters = self._sampling_rows([], S)
+                    sample_rows(rows_logits, jnp.zeros(S, jnp.int32), jnp.asarray(temp), jnp.asarray(top_p),
+                                jnp.asarray(top_k), jnp.asarray(key_data), jnp.asarray(counters), logprobs=lp)
         self._copy_blocks([])
         jax.block_until_ready(self.cache.k)
         return time.monotonic() - t0

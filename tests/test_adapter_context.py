@@ -58,7 +58,7 @@ def test_lora_matches_float64_reference(backend, mode, dtype):
     slots = _slots(0)
     A, B = _lora_weights(1)
     x = np.random.default_rng(2).standard_normal((T, D_IN)).astype(np.float32)
-    for n in (N, 3):                      # 3 slots: the jnp per-slot select path
+    for n in (N, 3):
         s = np.minimum(slots, n - 1)
         got = _ctx(s, backend, mode, n).lora(jnp.asarray(x, dtype), jnp.asarray(A[:n], dtype), jnp.asarray(B[:n], dtype))
         assert got.dtype == jnp.dtype(dtype) and got.shape == (T, D_OUT)
@@ -66,6 +66,19 @@ def test_lora_matches_float64_reference(backend, mode, dtype):
                          np.asarray(jnp.asarray(B[:n], dtype), np.float32), s)
         tol = 1e-5 if dtype == "float32" else 2e-2       # bf16: the rounded shrink + bf16 output
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("n", [context.MASKED_MAX_SLOTS, context.MASKED_MAX_SLOTS + 1])
+def test_jnp_chunks_masked_and_gather_sides_of_the_bank_size_switch(n):
+    """jnp chunks: up to MASKED_MAX_SLOTS slots the masked dense product, above it the gather; both
+    equal the float64 reference (tokens spread over many slots, some empty)."""
+    rng = np.random.default_rng(20 + n)
+    slots = rng.choice(np.arange(0, n, 3), T).astype(np.int32)
+    A, B = _lora_weights(21, n)
+    x = rng.standard_normal((T, D_IN)).astype(np.float32)
+    got = _ctx(slots, "jnp", "grouped", n).lora(jnp.asarray(x), jnp.asarray(A), jnp.asarray(B))
+    want = _lora_ref(x, A, B, slots)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -116,7 +129,7 @@ def test_bad_slot_cannot_reach_other_rows(backend, mode):
     Rm, W, b, sub = _reft_weights(14)
     x = jnp.asarray(np.random.default_rng(15).standard_normal((T, D_IN)), jnp.float32)
     bad = lambda w, v: np.concatenate([w[:2], np.full_like(w[2:3], v), w[3:]])
-    for n in (N, 4):                      # 4 slots: the jnp per-slot select path
+    for n in (N, 4):
         s = np.minimum(slots, n - 1)
         ctx, other = _ctx(s, backend, mode, n), s != 2
         clean_l = np.asarray(ctx.lora(x, jnp.asarray(A[:n]), jnp.asarray(B[:n])))

@@ -136,6 +136,20 @@ def test_device_tiering_equals_everything_resident(runner):
     assert _run(eng, reqs) == resident                       # evicted and reloaded: identical
 
 
+def test_prefill_rows_are_bucketed_so_one_prompt_computes_one_row(runner):
+    eng = _engine(runner, max_num_seqs=8, max_prefill_seqs=6, max_num_batched_tokens=128)
+    assert eng.prefill_row_buckets == [1, 4, 6]
+    rows, call = [], eng._call
+    eng._call = lambda tokens, *a: rows.append(np.shape(tokens)) or call(tokens, *a)
+    reqs = _requests(8, n=6)
+    got = _run(eng, reqs[:1]) + _run(eng, reqs[1:3]) + _run(eng, reqs)
+    prefill_rows = [r for r, c in rows if c > 1]
+    assert prefill_rows[0] == 1 and 4 in prefill_rows and 6 in prefill_rows and set(prefill_rows) <= {1, 4, 6}
+    assert got[:3] == got[3:6]                               # the same requests in 1-, 4- and 6-row calls
+    for (p, a, m), toks in zip(reqs[:1] + reqs[1:3] + reqs, got):
+        assert toks == _alone(runner, p, a, m, "prefill")
+
+
 def test_preft_holds_a_device_slot_only_while_prefilling(runner):
     """One device slot, three adapters: PreFT decodes all three at once; all-token runs one at a time."""
     for mode, most in (("prefill", 3), ("all", 1)):

@@ -8,6 +8,7 @@ writes
                                         (config.json, model.safetensors, tokenizer files)
     OUT/adapters/r{rank}/lora_{i}/      PEFT LoRA folders, q/k/v/o/gate/up/down, every layer,
                                         random non-zero weights (seed = 1000 * rank + i)
+    OUT/adapters/r{rank}_qkvo/lora_{i}/ the same with --targets q k v o (any subset: r{rank}_{targets})
 
 The adapters are written with preft_jax's own `save_peft_lora`, so preft_jax and vLLM can serve the
 very same files. vLLM applies a LoRA to every token, so the `preft_policy.json` sidecar says
@@ -79,22 +80,28 @@ def _check_same_logits(gguf_model, folder: pathlib.Path) -> None:
     print(f"model: reload check ok (max |logit diff| {err:.1e})")
 
 
-def random_lora_weights(model_config, rank: int, seed: int, alpha: float | None = None):
+def adapter_subdir(rank: int, targets=TARGETS) -> str:
+    """adapters/<this>: r{rank} for all seven targets, else r{rank}_{joined targets} (e.g. r16_qkvo)."""
+    return f"r{rank}" if tuple(targets) == TARGETS else f"r{rank}_{''.join(targets)}"
+
+
+def random_lora_weights(model_config, rank: int, seed: int, alpha: float | None = None, targets=TARGETS):
     """Random non-zero LoRA on every target and layer, PEFT-like scale (A ~ 1/sqrt(d_in), B small)."""
     from preft_jax.adapters.config import LoraConfig, LoraWeights, PositionPolicy
 
     rng = np.random.default_rng(seed)
-    conf = LoraConfig(rank=rank, alpha=float(alpha if alpha is not None else 2 * rank), targets=TARGETS,
+    conf = LoraConfig(rank=rank, alpha=float(alpha if alpha is not None else 2 * rank), targets=tuple(targets),
                       policy=PositionPolicy(mode="all"))
     dims = model_config.projection_dims()
     L = model_config.n_layers
     A = {t: (rng.standard_normal((L, dims[t][0], rank)) / np.sqrt(dims[t][0])).astype(np.float32)
-         for t in TARGETS}
-    B = {t: (0.02 * rng.standard_normal((L, rank, dims[t][1]))).astype(np.float32) for t in TARGETS}
+         for t in targets}
+    B = {t: (0.02 * rng.standard_normal((L, rank, dims[t][1]))).astype(np.float32) for t in targets}
     return LoraWeights(conf, A, B)
 
 
-def make_adapters(out: pathlib.Path, ranks, n_adapters: int, force: bool = False) -> list[pathlib.Path]:
+def make_adapters(out: pathlib.Path, ranks, n_adapters: int, force: bool = False,
+                  targets=TARGETS) -> list[pathlib.Path]:
     from preft_jax.adapters.peft_io import PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME, save_peft_lora
     from preft_jax.loading.gguf_loader import load_gguf
 
@@ -102,15 +109,16 @@ def make_adapters(out: pathlib.Path, ranks, n_adapters: int, force: bool = False
     written = []
     for rank in ranks:
         for i in range(n_adapters):
-            folder = out / f"r{rank}" / f"lora_{i}"
+            folder = out / adapter_subdir(rank, targets) / f"lora_{i}"
             written.append(folder)
             if (folder / PEFT_CONFIG_NAME).is_file() and (folder / PEFT_WEIGHTS_NAME).is_file() and not force:
                 continue
             if model_config is None:
                 model_config = load_gguf(None)[0]
-            save_peft_lora(folder, random_lora_weights(model_config, rank, seed=1000 * rank + i),
+            save_peft_lora(folder, random_lora_weights(model_config, rank, seed=1000 * rank + i, targets=targets),
                            model_config, base_model_name_or_path="SmolLM2-135M-Instruct")
-    print(f"adapters: {len(written)} folders under {out} (ranks {list(ranks)}, {n_adapters} each)")
+    print(f"adapters: {len(written)} folders under {out} (ranks {list(ranks)}, {n_adapters} each, "
+          f"targets {'/'.join(targets)})")
     return written
 
 
@@ -119,13 +127,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="/work/bench", help="output root (default /work/bench)")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="LoRA ranks (default 8 16)")
     p.add_argument("--n-adapters", type=int, default=32, help="adapters per rank (default 32)")
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS,
+                   help="LoRA targets (default all seven); a subset writes adapters/r{rank}_{targets}")
     p.add_argument("--force", action="store_true", help="rewrite existing outputs")
     args = p.parse_args(argv)
     if args.n_adapters < 1 or any(r < 1 for r in args.ranks):
         p.error("--n-adapters and --ranks must be positive")
     out = pathlib.Path(args.out).expanduser()
     convert_model(out / "smollm2_hf", force=args.force)
-    make_adapters(out / "adapters", args.ranks, args.n_adapters, force=args.force)
+    targets = tuple(t for t in TARGETS if t in args.targets)
+    make_adapters(out / "adapters", args.ranks, args.n_adapters, force=args.force, targets=targets)
     return 0
 
 

@@ -9,10 +9,10 @@ the expand, which accumulates in float32; the result is x.dtype. ReFT edits are 
 and the residual add is float32, rounded to h.dtype.
 
 Isolation: no slot's weights can reach a row that does not use that slot. Gathers read only the
-row's own slot; the small-bank path *selects* per slot (never multiplies by a 0/1 weight, since
-NaN * 0 = NaN); the ragged-dot path zeroes non-finite slots before the grouped product (XLA's
-ragged_dot expands to a dense group-masked dot on CPU and on NVIDIA GPUs, where a NaN in any slot
-would otherwise reach every row) and marks the rows of such a slot NaN afterwards.
+row's own slot; the masked path (small and mid-size banks) and the ragged-dot path zero non-finite
+slots before the products (a dense product over every slot, or XLA's ragged_dot, which expands to a
+dense group-masked dot on CPU and on NVIDIA GPUs, would otherwise carry a NaN in any slot to every
+row, since NaN * 0 = NaN) and mark the rows of such a slot NaN afterwards.
 """
 from __future__ import annotations
 
@@ -27,18 +27,6 @@ def lora_gather(x, A, B, slots):
     """Per-token gather (BGMV-style): row t multiplies A[slots[t]], B[slots[t]]. Decode layout."""
     xa = jnp.einsum("td,tdr->tr", x, A[slots], preferred_element_type=F32)
     out = jnp.einsum("tr,tro->to", xa.astype(B.dtype), B[slots], preferred_element_type=F32)
-    return out.astype(x.dtype)
-
-
-def lora_select(x, A, B, slots):
-    """Small banks: every slot's dense product on all rows, each row *selecting* its slot's result.
-
-    N times the FLOPs of one LoRA, but plain matmuls (fast on CPU for N <= 4)."""
-    out = jnp.zeros(x.shape[:1] + B.shape[2:], F32)
-    for n in range(A.shape[0]):
-        xa = jnp.einsum("td,dr->tr", x, A[n], preferred_element_type=F32)
-        y = jnp.einsum("tr,ro->to", xa.astype(B.dtype), B[n], preferred_element_type=F32)
-        out = jnp.where((slots == n)[:, None], y, out)
     return out.astype(x.dtype)
 
 
@@ -57,6 +45,22 @@ def _zero_bad(w, ok):
 
 def _mark_bad_rows(y, ok, slots_sorted):
     return jnp.where(ok[slots_sorted][:, None], y, jnp.asarray(jnp.nan, y.dtype))
+
+
+def lora_masked(x, A, B, slots):
+    """Small and mid-size banks on chunks: one shrink through every slot's A at once, each row keeps
+    only its own slot's r columns (selected with `where`, never multiplied by 0/1), one expand through
+    every slot's B. N times the FLOPs of one LoRA, in two plain matmuls (on CPU far cheaper than a
+    per-token gather of A and B for chunks). Non-finite slots are zeroed before the products and
+    their rows marked NaN afterwards, as in `lora_ragged`."""
+    ok = finite_slots(A, B)
+    A, B = _zero_bad(A, ok), _zero_bad(B, ok)
+    cd = jnp.promote_types(x.dtype, A.dtype)
+    xa = jnp.einsum("td,ndr->tnr", x.astype(cd), A.astype(cd), preferred_element_type=F32)
+    own = (slots[:, None] == jnp.arange(A.shape[0], dtype=slots.dtype)[None, :])[:, :, None]
+    xa = jnp.where(own, xa, jnp.zeros((), F32))
+    y = jnp.einsum("tnr,nro->to", xa.astype(B.dtype), B, preferred_element_type=F32)
+    return _mark_bad_rows(y, ok, slots).astype(x.dtype)
 
 
 def lora_ragged(xs, A, B, group_sizes, slots_sorted):

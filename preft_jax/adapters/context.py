@@ -15,8 +15,9 @@ Layout mode, decided when the context is built (static):
              Default for chunks (prefill, training).
 
 Backends (`BACKENDS`):
-  jnp     plain XLA, the reference: per-token gather; grouped chunks of banks with <= 4 slots use a
-          per-slot dense product with a per-row select (fast on CPU).
+  jnp     plain XLA, the reference: per-token gather; grouped chunks of banks with <= 32 slots use
+          one dense product through every slot's weights, each row keeping its own slot's rank
+          columns (`apply.lora_masked`; on CPU ~10-40x cheaper than gathering A and B per token).
   xla     for accelerators: grouped chunks through `jax.lax.ragged_dot` on tokens sorted by slot
           (shrink and expand each one grouped matmul); decode through the per-token gather.
           Note: XLA lowers ragged_dot natively on TPU; on CPU and NVIDIA GPUs (jax 0.10) it expands
@@ -44,7 +45,7 @@ from preft_jax.adapters import apply
 
 BACKENDS = ("auto", "jnp", "xla", "pallas")
 MODES = ("gather", "grouped")
-SELECT_MAX_SLOTS = 4          # jnp backend: banks up to this many slots use the per-slot select
+MASKED_MAX_SLOTS = 32         # jnp backend: chunks on banks up to this many slots use apply.lora_masked
 PALLAS_BLOCK_TOKENS = 16      # token tile of the grouped Pallas kernels (their default)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))   # activations and adapter weights, every backend
 
@@ -198,8 +199,8 @@ class AdapterContext:
         if self.mode == "gather" and self.backend in ("jnp", "xla"):
             return apply.lora_gather(x, A, B, self.slots)
         if self.backend == "jnp":
-            if self.n_slots <= SELECT_MAX_SLOTS:
-                return apply.lora_select(x, A, B, self.slots)
+            if self.n_slots <= MASKED_MAX_SLOTS:
+                return apply.lora_masked(x, A, B, self.slots)
             return apply.lora_gather(x, A, B, self.slots)
         if self.backend == "pallas":
             import pallas_kernels

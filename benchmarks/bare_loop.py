@@ -1,0 +1,138 @@
+"""Engine overhead (issue 12.2): engine tok/s vs a bare loop of the jitted step at the same shapes.
+
+    python -m benchmarks.bare_loop [--bench-dir /work/bench_data] [--repeats 3] [--json F]
+
+Workload: 32 requests x 16 random prompt tokens -> 32 greedy tokens, all submitted at once (the
+vLLM-peer workload, benchmarks/peer.py). Each engine run records every `preft_jax.paged_step` call
+the engine makes (its arguments: tokens, PagedBatch, bank, adapter ids, sampling rows). The bare
+loop then replays exactly those calls back to back - the same shapes, the same number of calls,
+inputs already on the device, one final `block_until_ready` - with no scheduler, no block tables
+built, no token handling: the device time the engine cannot go below. Ratio = engine tok/s / bare
+tok/s (same tokens), per repeat, recorded and replayed in the same repeat.
+
+Variants (round-robin): base and PreFT-LoRA (8 PEFT LoRA folders, rank 16 q/k/v/o, mode prefill),
+each with num_scheduler_steps 4 (the default: pipelined multi-step decode) and 1.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import header, load_runner, log, random_prompts, round_robin, serve, spread, stats, write_json
+from preft_jax.paged_step import paged_step
+
+
+def make_engine(runner, adapter_dir, steps, args):
+    from serve.engine import Engine, EngineConfig
+    from serve.registry import AdapterRegistry
+    reg = AdapterRegistry(runner.cfg, args.n_adapters if adapter_dir else 0, lora_targets=("q", "k", "v", "o"),
+                          lora_rank=16, reft_rank=1, dtype=runner.dtype, adapter_dir=adapter_dir)
+    R = args.requests
+    return Engine(runner, reg, EngineConfig(
+        max_num_seqs=R, max_model_len=args.prompt_len + args.max_tokens, max_prefill_seqs=R,
+        max_num_batched_tokens=R + R * args.prompt_len, enable_prefix_cache=False, num_scheduler_steps=steps))
+
+
+class Recorder:
+    """Wraps engine._call: keeps the arguments of every call (device copies made after the run)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self._orig = engine, [], engine._call
+        engine._call = self
+
+    def __call__(self, *a):
+        self.calls.append(a)
+        return self._orig(*a)
+
+    def staged(self):
+        """The recorded calls with every argument on the device (tokens from an earlier call stay as they are)."""
+        out = []
+        for tokens, batch, bank, ids, plen, temp, top_p, top_k in self.calls:
+            out.append((jnp.asarray(tokens), batch, bank, None if bank is None else jnp.asarray(ids),
+                        jnp.asarray(plen), jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k)))
+        jax.block_until_ready(out)
+        self.calls = []
+        return out
+
+
+def bare_loop(runner, engine, staged) -> float:
+    """Seconds to run the staged calls back to back through paged_step on a fresh KV pool."""
+    cache = engine._new_cache()
+    key = jax.random.key(0)
+    jax.block_until_ready(cache.k)
+    t0 = time.perf_counter()
+    nxt = None
+    for tokens, batch, bank, ids, plen, temp, top_p, top_k in staged:
+        nxt, cache = paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p,
+                                top_k, key)
+    jax.block_until_ready((nxt, cache))
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bench-dir", default="/work/bench_data")
+    ap.add_argument("--n-adapters", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, nargs="+", default=[4, 1], help="num_scheduler_steps values")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    t_all = time.perf_counter()
+    adir = pathlib.Path(args.bench_dir) / "adapters" / "r16_qkvo"
+    if not (adir / f"lora_{args.n_adapters - 1}").is_dir():
+        sys.exit(f"{adir}: run benchmarks/vllm_peer/prepare.py --out {args.bench_dir} --ranks 16 "
+                 f"--n-adapters {args.n_adapters} --targets q k v o")
+    runner = load_runner(None)
+    log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens"))
+    V = runner.cfg.vocab_size
+    names = [f"lora_{i}" for i in range(args.n_adapters)]
+    cases, calls = {}, {}
+    for label, with_ad in (("base", False), ("PreFT-LoRA", True)):
+        for steps in args.steps:
+            name = f"{label} steps={steps}"
+            eng = make_engine(runner, str(adir) if with_ad else None, steps, args)
+            eng.warmup()
+            rng = np.random.default_rng(1008)
+            picks = [names[int(rng.integers(0, args.n_adapters))] if with_ad else None for _ in range(args.requests)]
+            serve(eng, random_prompts(args.requests, args.prompt_len, V, 99), picks, 2)
+            rec = Recorder(eng)
+            held = {}
+
+            def run_engine(rep, eng=eng, rec=rec, held=held, picks=picks, name=name):
+                s = serve(eng, random_prompts(args.requests, args.prompt_len, V, rep), picks, args.max_tokens)
+                held["staged"], held["tokens"] = rec.staged(), s.tokens
+                calls[name] = len(held["staged"])
+                return {"tok_per_s": s.tok_per_s, "wall_s": s.wall, "calls": len(held["staged"])}
+
+            def run_bare(rep, eng=eng, held=held):
+                bare_loop(runner, eng, held["staged"][:2])           # untimed: touch the shapes once
+                dt = bare_loop(runner, eng, held["staged"])
+                return {"tok_per_s": held["tokens"] / dt, "wall_s": dt}
+
+            cases[name] = run_engine
+            cases[f"{name} (bare loop)"] = run_bare
+    runs = round_robin(cases, args.repeats, log)
+    log("\n| variant | device calls | engine tok/s | bare loop tok/s | engine / bare median | per-repeat min-max |")
+    log("|---|---:|---:|---:|---:|---:|")
+    for name in [k for k in runs if not k.endswith("(bare loop)")]:
+        e, b = runs[name], runs[f"{name} (bare loop)"]
+        per = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(e, b)]
+        log(f"| {name} | {calls[name]} | {spread([r['tok_per_s'] for r in e])} | {spread([r['tok_per_s'] for r in b])} "
+            f"| {stats(per)[0]:.2f}x | {min(per):.2f}-{max(per):.2f}x |")
+    log(f"# minimal calls for this workload: 1 prefill + {args.max_tokens - 1} decode = {args.max_tokens}")
+    log(f"# total wall {time.perf_counter() - t_all:.0f} s")
+    write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
