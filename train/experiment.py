@@ -9,6 +9,11 @@ Results go to `<out>/results.json` (updated after every run) and, with --doc, to
 report. `--quick` shrinks everything (smoke test).
 
     python -m train.experiment --out runs/experiment --doc docs/experiments.md
+
+`--rl-study` runs the resumable GRPO parity study of `train.rl_study` instead (`--report` renders it):
+
+    python -m train.experiment --rl-study --out runs/rl_study [--steps 150 --seeds 2 --chunk 25]
+    python -m train.experiment --rl-study --out runs/rl_study --report --doc-dir docs/rl_study
 """
 from __future__ import annotations
 
@@ -244,8 +249,20 @@ def main(argv=None):
     p.add_argument("--doc", default=None, help="write the markdown report here (e.g. docs/experiments.md)")
     p.add_argument("--only", choices=("all", "sft", "grpo"), default="all")
     p.add_argument("--quick", action="store_true")
+    g = p.add_argument_group("RL parity study (train.rl_study)")
+    g.add_argument("--rl-study", action="store_true", help="run (or resume) the GRPO parity study in --out")
+    g.add_argument("--report", action="store_true", help="with --rl-study: only render the report of --out")
+    g.add_argument("--doc-dir", default=None, help="with --report: folder for results.md + PNGs "
+                   "(default <out>/report)")
+    g.add_argument("--steps", type=int, default=None, help="GRPO steps per unit (default 150)")
+    g.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 2)")
+    g.add_argument("--chunk", type=int, default=25, help="steps per unit per round-robin pass")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.rl_study:
+        from train.rl_study import main_study
+        main_study(a)
+        return
     ec = ExperimentConfig.quick() if a.quick else ExperimentConfig()
     results = run(pathlib.Path(a.out), ec, a.only)
     text = report(results, "JAX_PLATFORMS=cpu python -m train.experiment --out " + a.out +
