@@ -96,7 +96,7 @@ def test_report_from_fake_logs(tmp_path):
         d = tmp_path / "units" / f"{arm}-s{seed}"
         d.mkdir(parents=True)
         rows = [{"step": k, "reward_mean": float(rng.uniform()), "kl": 0.01 * k, "response_len": 10.0,
-                 "loss": 0.1} for k in range(1, n + 1)]
+                 "loss": 0.1, "batch_s": 1.0, "update_s": 2.0} for k in range(1, n + 1)]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         evals = [{"step": k, "greedy_acc": 0.25 + 0.25 * seed} for k in (20, 40) if k <= n]
         (d / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
@@ -105,6 +105,7 @@ def test_report_from_fake_logs(tmp_path):
     assert "PARTIAL" in md and "135 of 160 unit-steps" in md
     row_b = next(ln for ln in md.splitlines() if ln.startswith("| b ("))
     assert "30/25 of 40" in row_b and "partial" in row_b
+    assert "steps 1-25 (all units)" in md      # the common step range of a partial run
     # the last-25-steps reward of seed 1 of arm b covers its steps 1..25
     r = [json.loads(x)["reward_mean"] for x in (tmp_path / "units" / "b-s1" / "metrics.jsonl").read_text().splitlines()]
     r0 = [json.loads(x)["reward_mean"] for x in (tmp_path / "units" / "b-s0" / "metrics.jsonl").read_text().splitlines()]
@@ -112,6 +113,7 @@ def test_report_from_fake_logs(tmp_path):
     assert f"{(lo + hi) / 2:.3f} [{lo:.3f}, {hi:.3f}]" in row_b
     row_a = next(ln for ln in md.splitlines() if ln.startswith("| a ("))
     assert "0.375 [0.250, 0.500] (step 40)" in row_a and "| done |" in row_a
+    assert row_a.endswith("| 2.0 [2.0, 2.0] |") and row_b.endswith("| 1.4 [1.2, 1.5] |")   # 3 s per step, minutes
     assert "| a | 0.125 | 0.375 [0.250, 0.500] | 0.375 [0.250, 0.500] |" in md
     for png in ("rl_reward.png", "rl_curves.png"):
         assert (tmp_path / "rep" / png).stat().st_size > 10_000

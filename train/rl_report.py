@@ -64,15 +64,35 @@ def _arm_label(a) -> str:
     return f"{mode} {kind} r{a.rank}, lr {a.lr:g}"
 
 
+def steps_logged(u: dict) -> int:
+    """Steps with a metrics row (a pass in flight included; a diverged unit: its last step)."""
+    return u["rows"][-1]["step"] if u["rows"] else 0
+
+
+def common_steps(s: dict) -> int:
+    """The number of steps every unit has logged (the fair comparison point of a partial run)."""
+    n = [steps_logged(u) for d in s["arms"].values() for u in d["units"] if u["status"]["state"] != "diverged"]
+    return min(n) if n else 0
+
+
+def unit_wall_s(u: dict) -> float:
+    """Rollouts + updates of every logged step + held-out evals."""
+    return float(sum(r.get("batch_s", 0.0) + r.get("update_s", 0.0) for r in u["rows"])
+                 + sum(e.get("seconds", 0.0) for e in u["evals"]))
+
+
 def table(s: dict) -> str:
     sc = s["config"]
     W = 25
-    lines = ["| arm | steps done (per seed) | status | rollout reward, first 25 steps | rollout reward, last 25 steps "
+    c = common_steps(s)
+    lo_c = max(0, c - W)
+    lines = ["| arm | steps done (per seed) | status | rollout reward, steps 1-25 | rollout reward, steps "
+             f"{lo_c + 1}-{c} (all units) | rollout reward, last 25 steps "
              "| held-out greedy acc (last eval) | KL to base, last 25 | response tokens, last 25 | wall min / seed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, d in s["arms"].items():
         us = d["units"]
-        done = [u["status"]["steps_done"] for u in us]
+        done = [steps_logged(u) for u in us]
         stat = []
         for u in us:
             st = u["status"]
@@ -81,14 +101,15 @@ def table(s: dict) -> str:
         state = "; ".join(stat) or ("done" if all(u["status"]["state"] == "done" for u in us) else "partial")
         first = [_window_mean(u["rows"], "reward_mean", 0, W) for u in us]
         last = [_window_mean(u["rows"], "reward_mean", max(0, n - W), n) for u, n in zip(us, done)]
+        common = [_window_mean(u["rows"], "reward_mean", lo_c, c) for u in us] if c else []
         acc = [u["evals"][-1]["greedy_acc"] if u["evals"] else None for u in us]
         acc_steps = sorted({u["evals"][-1]["step"] for u in us if u["evals"]})
         kl = [_window_mean(u["rows"], "kl", max(0, n - W), n) for u, n in zip(us, done)]
         ln = [_window_mean(u["rows"], "response_len", max(0, n - W), n) for u, n in zip(us, done)]
-        wall = [u["status"].get("seconds", 0.0) / 60 for u in us]
+        wall = [unit_wall_s(u) / 60 for u in us]
         acc_txt = _fmt_seeds(acc) + (f" (step {'/'.join(map(str, acc_steps))})" if acc_steps else "")
         lines.append(f"| {name} ({_arm_label(d['arm'])}) | {'/'.join(map(str, done))} of {sc.steps} | {state} | "
-                     f"{_fmt_seeds(first)} | {_fmt_seeds(last)} | {acc_txt} | {_fmt_seeds(kl, 4)} | "
+                     f"{_fmt_seeds(first)} | {_fmt_seeds(common)} | {_fmt_seeds(last)} | {acc_txt} | {_fmt_seeds(kl, 4)} | "
                      f"{_fmt_seeds(ln, 1)} | {_fmt_seeds(wall, 1)} |")
     return "\n".join(lines)
 
@@ -169,7 +190,8 @@ def plots(s: dict, folder: pathlib.Path) -> list[pathlib.Path]:
     axes[2].set(xlabel="GRPO step", ylabel="accuracy", title=f"Held-out greedy accuracy ({sc.n_eval} prompts)")
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=7)
+    if axes[2].get_legend_handles_labels()[0]:
+        axes[2].legend(fontsize=7)
     fig.tight_layout()
     paths.append(folder / "rl_curves.png")
     fig.savefig(paths[-1], dpi=100)
@@ -187,7 +209,7 @@ def write_report(out: str | pathlib.Path, folder: str | pathlib.Path) -> str:
     sc = s["config"]
     g = sc.grpo
     units = [u for d in s["arms"].values() for u in d["units"]]
-    done = sum(u["status"]["steps_done"] for u in units)
+    done = sum(steps_logged(u) for u in units)
     total = sc.steps * len(units)
     partial = done < total and not all(u["status"]["state"] in ("done", "diverged") for u in units)
     pngs = plots(s, folder)
@@ -204,7 +226,9 @@ def write_report(out: str | pathlib.Path, folder: str | pathlib.Path) -> str:
           f"{sc.steps} steps, no warmup; adapters start at the identity (LoRA B = 0, DiReFT W = b = 0). "
           f"Config hash `{s['meta']['config_hash']}`.", "",
           "Cells with several seeds: mean [min, max] over seeds. Reward = 1 when the completion's final number is "
-          "the answer; KL = mean k3 estimate per response token against the base model.", "",
+          "the answer; KL = mean k3 estimate per response token against the base model. Steps done = steps "
+          "logged (a pass in flight included). Wall = rollouts + updates + held-out evals of one seed on a shared "
+          "2-core CPU (other jobs ran alongside: compare arms, not absolute times).", "",
           table(s), "", "Held-out greedy accuracy over training:", "", eval_table(s), ""]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
     text = "\n".join(md) + "\n"
