@@ -341,7 +341,10 @@ def main_study(a) -> None:
         write_report(out, pathlib.Path(a.doc_dir) if a.doc_dir else out / "report")
         return
     sc = study_config_from_args(a)
-    claim_folder(out, sc)           # refuse a changed config before loading anything
+    try:
+        claim_folder(out, sc)       # refuse a changed config before loading anything
+    except StudyConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     from preft_jax.cache.compilation import enable_compilation_cache
     from preft_jax.generation import ModelRunner
     from preft_jax.loading import load_model
