@@ -217,7 +217,8 @@ def write_report(out: str | pathlib.Path, folder: str | pathlib.Path) -> str:
     md = ["# RL parity study (GRPO): results" + (" - PARTIAL" if partial else ""), "",
           f"{done} of {total} unit-steps done ({len(sc.arms)} arms x {len(sc.seeds)} seeds x {sc.steps} steps)"
           + (": **partial results**, every number below is at the step each seed reached." if partial else "."), "",
-          f"Task: generated arithmetic with 1..{sc.max_ops} operation(s) (`train.tasks`, chat template), "
+          f"Task: generated arithmetic with {'one operation' if sc.max_ops == 1 else f'1..{sc.max_ops} operations'} "
+          f"(`train.tasks`, chat template), "
           f"{sc.n_train} train prompts, {sc.n_eval} held-out prompts. Base model (no adapter) held-out greedy "
           f"accuracy: **{base.get('greedy_acc', float('nan')):.3f}** (mean length {base.get('greedy_len', float('nan')):.1f} "
           f"tokens). GRPO: {g.prompts_per_step} prompts x {g.group_size} rollouts per step, temperature "
