@@ -190,8 +190,7 @@ def plots(s: dict, folder: pathlib.Path) -> list[pathlib.Path]:
     axes[2].set(xlabel="GRPO step", ylabel="accuracy", title=f"Held-out greedy accuracy ({sc.n_eval} prompts)")
     for ax in axes:
         ax.grid(alpha=0.3)
-    if axes[2].get_legend_handles_labels()[0]:
-        axes[2].legend(fontsize=7)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     paths.append(folder / "rl_curves.png")
     fig.savefig(paths[-1], dpi=100)
