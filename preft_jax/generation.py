@@ -177,12 +177,18 @@ class ModelRunner:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(),
                  bank: AdapterBank | None = None, adapter_ids: Sequence[int] | None = None,
-                 key: jax.Array | None = None, decode_with_adapters: bool | None = None) -> list[Generation]:
+                 key: jax.Array | None = None, decode_with_adapters: bool | None = None,
+                 group: int = 1) -> list[Generation]:
         """Batched generation: adapted prefill, then fused decode.
 
         Decode gets the bank only if some request's adapter is in all-token mode (or when
         `decode_with_adapters` forces it); otherwise it runs the base model alone (PreFT).
+        `group` > 1 samples every prompt `group` times (RL rollouts): each prompt is prefilled
+        once and its cache rows and last logits are repeated; the result is group-major (row
+        b * group + j is sample j of prompt b) and equals generating the repeated prompt list.
         """
+        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+            raise ValueError(f"group must be an integer >= 1, got {group!r}")
         B = len(prompts)
         lengths = [len(p) for p in prompts]
         for n in lengths:
@@ -208,6 +214,10 @@ class ModelRunner:
         bank = self.place_bank(bank)
         logits, cache = self.prefill(jnp.asarray(tokens), plen, jnp.arange(B, dtype=jnp.int32), cache,
                                      bank, adapter_ids)
+        if group > 1:
+            logits, cache, plen = _repeat_rows(logits, cache, plen, group)
+            adapter_ids = None if adapter_ids is None else jnp.repeat(adapter_ids, group)
+            B *= group
         key = jax.random.key(0) if key is None else key
         key, sub = jax.random.split(key)
         temp = jnp.full((B,), sampling.temperature, jnp.float32)
@@ -221,6 +231,13 @@ class ModelRunner:
                                adapter_ids if dbank is not None else None, key, temp, top_p, top_k,
                                jnp.asarray(stop, jnp.int32), sampling.max_new_tokens)
         return [_trim(row, stop) for row in np.asarray(out)]
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _repeat_rows(logits, cache: KVCache, prompt_lengths, group: int):
+    """Each prompt's last logits, cache rows and length `group` times (group-major)."""
+    rep = lambda x, axis: jnp.repeat(x, group, axis=axis, total_repeat_length=x.shape[axis] * group)
+    return rep(logits, 0), KVCache(rep(cache.k, 1), rep(cache.v, 1)), rep(prompt_lengths, 0)
 
 
 def _trim(row: np.ndarray, stop: Sequence[int]) -> Generation:

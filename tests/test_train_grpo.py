@@ -165,3 +165,63 @@ def test_fit_logs_rewards(trainers):
     state, hist = trainers["prefill"].fit(_prompts(), [0] * 8)
     assert [h["step"] for h in hist] == [1, 2] and int(state.step) == 2 * GC["inner_steps"]
     assert all(0.0 <= h["reward_mean"] <= 1.0 and np.isfinite(h["loss"]) for h in hist)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "all"])
+def test_group_generate_equals_repeated_prompts(runner, trainers, mode):
+    """generate(group=G) prefills each prompt once and repeats its cache rows: the same samples as
+    generating the prompt list repeated G times (group-major)."""
+    tr = trainers[mode]
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(7), x.shape), tr.init_state().params)
+    bank = adapter_bank(CFG, tr.adapter_config, params)
+    prompts = _prompts(3, seed=4)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=(2,))
+    rep = [p for p in prompts for _ in range(4)]
+    want = runner.generate(rep, sp, bank, [1] * 12, jax.random.key(11))
+    got = runner.generate(prompts, sp, bank, [1] * 3, jax.random.key(11), group=4)
+    assert [(g.tokens, g.finish_reason) for g in got] == [(g.tokens, g.finish_reason) for g in want]
+    assert len({tuple(g.tokens) for g in got[:4]}) > 1          # the group's samples differ
+    with pytest.raises(ValueError, match="group"):
+        runner.generate(prompts, sp, bank, [1] * 3, group=0)
+
+
+def test_logprobs_start_skips_only_prompt_entries(runner):
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(3, 200, (3, 20)), jnp.int32)
+    plen = jnp.asarray([7, 9, 12], jnp.int32)
+    full = np.asarray(token_logprobs(runner.graphdef, runner.state, tokens, plen, chunk=8))
+    part = np.asarray(token_logprobs(runner.graphdef, runner.state, tokens, plen, chunk=8, start=6))
+    np.testing.assert_allclose(part[:, 7:], full[:, 7:], rtol=1e-5, atol=1e-5)
+    assert np.all(part[:, :7] == 0) and np.all(full[:, 1:7] != 0)
+    with pytest.raises(ValueError, match="start"):
+        token_logprobs(runner.graphdef, runner.state, tokens, plen, start=19)
+
+
+def test_one_inner_step_skips_old_pass_same_gradient(runner):
+    """inner_steps=1: old = stop_gradient(logp) in the loss gives the loss and gradient of the
+    explicit old-policy pass; the batch is trimmed to the step's longest sequence and the vocab
+    projection starts at the shortest prompt."""
+    tr = GRPOTrainer(CFG, runner, GRPOConfig(adapter=AdapterSpec(rank=4, mode="prefill"),
+                                             **{**GC, "inner_steps": 1, "max_new_tokens": 20}), _reward,
+                     stop_token_ids=(2,))
+    prompts = _prompts()
+    tr.bind_data(prompts, [0] * 8)
+    assert tr.logit_start == min(len(p) for p in prompts) - 1
+    ts = tr.init_state()
+    params = jax.tree.map(lambda x: x + 0.2 * jax.random.normal(jax.random.key(2), x.shape), ts.params)
+    batch, _, info = tr.next_batch(ts, 0)
+    ro = tr.last_rollouts
+    longest = max(len(p) + len(r) for p, r in zip(ro.prompts, ro.responses))
+    assert batch["tokens"].shape[1] == -(-longest // 16) * 16
+    dev = tr.prepare(ts, tr.put_batch(batch))
+    assert "old_logp" not in dev
+    old, ref = tr.score(params, batch)
+    np.testing.assert_allclose(np.asarray(dev["ref_logp"]), np.asarray(ref), atol=1e-6)
+    batch_adv = dict(dev, advantages=jnp.asarray([1.0, -1.0] * 4))
+    f_fast = lambda p: tr.loss(p, tr.base_state, batch_adv)[0]
+    f_old = lambda p: tr.loss(p, tr.base_state, dict(batch_adv, old_logp=old))[0]
+    assert float(f_fast(params)) == pytest.approx(float(f_old(params)), rel=1e-5, abs=1e-6)
+    g1, g2 = jax.grad(f_fast)(params), jax.grad(f_old)(params)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert any(np.any(np.asarray(a) != 0) for a in jax.tree.leaves(g1))

@@ -9,6 +9,11 @@ Results go to `<out>/results.json` (updated after every run) and, with --doc, to
 report. `--quick` shrinks everything (smoke test).
 
     python -m train.experiment --out runs/experiment --doc docs/experiments.md
+
+`--rl-study` runs the resumable GRPO parity study of `train.rl_study` instead (`--report` renders it):
+
+    python -m train.experiment --rl-study --out runs/rl_study [--steps 150 --seeds 2 --chunk 25]
+    python -m train.experiment --rl-study --out runs/rl_study --report --doc-dir docs/rl_study
 """
 from __future__ import annotations
 
@@ -250,6 +255,14 @@ def main(argv=None):
     p.add_argument("--plot", metavar="PNG", default=None,
                    help="only render the SFT loss curves from --out's saved metrics to PNG (train/plots.py)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    g = p.add_argument_group("RL parity study (train.rl_study)")
+    g.add_argument("--rl-study", action="store_true", help="run (or resume) the GRPO parity study in --out")
+    g.add_argument("--report", action="store_true", help="with --rl-study: only render the report of --out")
+    g.add_argument("--doc-dir", default=None, help="with --report: folder for results.md + PNGs "
+                   "(default <out>/report)")
+    g.add_argument("--steps", type=int, default=None, help="GRPO steps per unit (default 150)")
+    g.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 2)")
+    g.add_argument("--chunk", type=int, default=25, help="steps per unit per round-robin pass")
     a = p.parse_args(argv)
     set_quiet(a.quiet)
     if a.plot:
@@ -257,6 +270,10 @@ def main(argv=None):
         print(sft_loss_plot(a.out, a.plot))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.rl_study:
+        from train.rl_study import main_study
+        main_study(a)
+        return
     ec = ExperimentConfig.quick() if a.quick else ExperimentConfig()
     results = run(pathlib.Path(a.out), ec, a.only)
     text = report(results, "JAX_PLATFORMS=cpu python -m train.experiment --out " + a.out +

@@ -2,14 +2,20 @@
 
 Per step:
 
-1. rollouts: each of `prompts_per_step` prompts is sampled `group_size` times with
-   `ModelRunner.generate` - the serving prefill/decode core. In prefill mode the adapter builds the
+1. rollouts: each of `prompts_per_step` prompts is sampled `group_size` times in one
+   `ModelRunner.generate(..., group=G)` call - the serving prefill/decode core and its sampler
+   (`preft_jax.sampling.sample`: top_p = 1 draws by inverse CDF, no vocabulary sort); each prompt
+   is prefilled once and its cache rows are repeated for the group. In prefill mode the adapter builds the
    prompt KV cache (and samples the first token); every later token is decoded on base weights.
    In all-token mode decode uses the adapter too.
 2. rewards from the verifier (`train.tasks.reward`), group-normalized advantages
    A = (r - mean_group) / (std_group + eps).
-3. the rollout ("old") policy log-probs and the reference (base model: adapter slot 0) log-probs
-   are recomputed by teacher forcing with the same per-token adapter masking as the rollouts.
+3. the reference (base model: adapter slot 0) log-probs, and with `inner_steps` > 1 the rollout
+   ("old") policy's, are recomputed by teacher forcing with the same per-token adapter masking as
+   the rollouts. With one optimizer step per batch the update's parameters are the rollout
+   policy's, so old = stop_gradient(logp) inside the loss (ratio 1, the same gradient) and that
+   forward pass is skipped. Teacher forcing covers only this step's longest sequence (padded to
+   `pad_multiple`), and the vocab projection skips the prompt positions (`token_logprobs(start=)`).
 4. `inner_steps` optimizer steps on the clipped surrogate with a k3 KL penalty to the base model:
        ratio_t = exp(logp_t - old_t);  s_t = min(ratio_t A, clip(ratio_t, 1 - eps, 1 + eps) A)
        kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
@@ -149,6 +155,7 @@ class GRPOTrainer(Trainer):
         self.pad_id = pad_id
         self.last_rollouts: Rollouts | None = None
         self._prompts = self._answers = None
+        self.logit_start = 0              # fit(): min prompt length - 1 (static; see token_logprobs)
 
     # ---- rollouts
     def sampling(self) -> SamplingParams:
@@ -163,7 +170,8 @@ class GRPOTrainer(Trainer):
         G = self.config.group_size
         rep = [list(p) for p in prompts for _ in range(G)]
         bank = adapter_bank(self.model_cfg, self.adapter_config, params)
-        gens = self.runner.generate(rep, self.sampling(), bank, [1] * len(rep), key)
+        gens = self.runner.generate([list(p) for p in prompts], self.sampling(), bank, [1] * len(prompts), key,
+                                    group=G)     # one prefill per prompt, G samples of each
         completions = [g.tokens for g in gens]
         responses = [g.tokens + ([self.stop[0]] if g.finish_reason == "stop" else []) for g in gens]
         rewards = np.array([self.reward_fn(c, answers[i // G]) for i, c in enumerate(completions)],
@@ -185,30 +193,40 @@ class GRPOTrainer(Trainer):
     def _logprobs(self, params, base_state, batch, adapter_id):
         return adapted_logprobs(self.model_cfg, self.adapter_config, self.graphdef, base_state, params,
                                 batch["tokens"], batch["prompt_lengths"], adapter_id, self.config.temperature,
-                                self.config.logit_chunk)
+                                self.config.logit_chunk, self.logit_start)
 
     def _score_fn(self, params, base_state, batch):
         """(old policy log-probs, reference = base model log-probs), both [B, T]."""
         return self._logprobs(params, base_state, batch, 1), self._logprobs(params, base_state, batch, 0)
 
+    def _ref_fn(self, params, base_state, batch):
+        return (self._logprobs(params, base_state, batch, 0),)
+
     def loss(self, params, base_state, batch):
         c = self.config
         logp = self._logprobs(params, base_state, batch, 1)
-        return grpo_objective(logp, batch["old_logp"], batch["ref_logp"], batch["advantages"], batch["loss_mask"],
+        old = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+        return grpo_objective(logp, old, batch["ref_logp"], batch["advantages"], batch["loss_mask"],
                               c.clip_eps, c.kl_coef)
 
-    def _score_device(self, params, dev: dict):
+    def _score_device(self, params, dev: dict, with_old: bool = True):
+        fn = self._score_fn if with_old else self._ref_fn
+        n_out = 2 if with_old else 1
+
         def build():
             out = jax.sharding.NamedSharding(self.mesh, shd.batch_spec(dev["tokens"].shape, self.mesh))
-            return jax.jit(self._score_fn, in_shardings=(self.setup.state_shardings.params, self.setup.base_shardings,
-                                                         self.setup.batch_shardings(dev)), out_shardings=(out, out))
-        return self.compiled("score", dev, build)(params, self.base_state, dev)
+            return jax.jit(fn, in_shardings=(self.setup.state_shardings.params, self.setup.base_shardings,
+                                             self.setup.batch_shardings(dev)), out_shardings=(out,) * n_out)
+        return self.compiled("score" if with_old else "ref", dev, build)(params, self.base_state, dev)
 
     def score(self, params, batch: dict):
         """(old, ref) log-probs of a host batch (global arrays)."""
         return self._score_device(params, self.put_batch(batch))
 
     def prepare(self, state, dev):
+        if self.inner_steps == 1:         # old == logp at the update: computed inside the loss
+            (ref,) = self._score_device(state.params, dev, with_old=False)
+            return dict(dev, ref_logp=ref)
         old, ref = self._score_device(state.params, dev)
         return dict(dev, old_logp=old, ref_logp=ref)
 
@@ -224,7 +242,8 @@ class GRPOTrainer(Trainer):
         self.last_rollouts = ro
         info = {"reward_mean": float(ro.rewards.mean()), "reward_std": float(ro.rewards.std()),
                 "response_len": float(np.mean([len(r) for r in ro.responses]))}
-        return self.rollout_batch(ro, self._length), None, info
+        length = bucket(max(len(p) + len(r) for p, r in zip(ro.prompts, ro.responses)), c.pad_multiple)
+        return self.rollout_batch(ro, max(length, self.logit_start + 2)), None, info
 
     def log_keys(self):
         return ("reward_mean", "kl")
@@ -236,15 +255,22 @@ class GRPOTrainer(Trainer):
             callbacks: tuple[Callback, ...] = ()) -> tuple[TrainState, list[dict]]:
         """`config.steps` GRPO steps; prompts are taken in a seeded shuffled order (resumable).
         `self.last_rollouts` holds the latest step's rollouts (for callbacks)."""
+        self.bind_data(prompts, answers)
+        cbs = tuple(callbacks) + (() if callback is None else (callback,))
+        return self.train(checkpoint_dir, metrics_path, cbs, until, state)
+
+    def bind_data(self, prompts: Sequence[Sequence[int]], answers: Sequence) -> None:
+        """The prompt set `next_batch` draws from (fit calls it)."""
         c = self.config
         if c.prompts_per_step > len(prompts):
             raise ValueError(f"prompts_per_step {c.prompts_per_step} > {len(prompts)} prompts")
         if len(answers) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
         self._prompts, self._answers = list(prompts), list(answers)
-        self._length = bucket(max(len(p) for p in prompts) + c.max_new_tokens + 1, c.pad_multiple)
-        cbs = tuple(callbacks) + (() if callback is None else (callback,))
-        return self.train(checkpoint_dir, metrics_path, cbs, until, state)
+        start = min(len(p) for p in prompts) - 1
+        if start != self.logit_start:      # a static argument of the jitted functions: recompile
+            self.logit_start = start
+            self._fns.clear()
 
 
 def text_reward_fn(tokenizer):
