@@ -6,17 +6,12 @@ devices, so attention weights / KV cache are replicated (warned) while the MLP a
 
 Runs in subprocesses: XLA_FLAGS must be set before jax is imported.
 """
-import json
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from fake_devices import run_on_fake_devices
 from jax.sharding import PartitionSpec as P
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 COMMON = textwrap.dedent(r"""
     import json, logging, io
@@ -119,13 +114,7 @@ SMOLLM = COMMON + textwrap.dedent(r"""
 
 
 def _run(script):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return run_on_fake_devices(script)
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,17 @@
 The multi-device checks run in a subprocess: XLA_FLAGS must be set before jax is imported, and
 the other test modules import jax in this pytest process.
 """
-import json
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import jax
 import numpy as np
 import pytest
+from fake_devices import run_on_fake_devices
 from jax.sharding import PartitionSpec as P
 
 from preft_jax import sharding as shd
 from preft_jax.config import tiny_config
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class FakeMesh:
@@ -214,13 +209,7 @@ SCRIPT = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def eight_device_result():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return run_on_fake_devices(SCRIPT)
 
 
 def test_sharded_sft_step_matches_unsharded(eight_device_result):
