@@ -42,35 +42,44 @@ def make_engine(runner, adapter_dir, steps, args):
 class Recorder:
     """Wraps engine._call: keeps the arguments of every call (device copies made after the run)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, keep_outputs: bool = False):
         self.engine, self.calls, self._orig = engine, [], engine._call
+        self.keep_outputs, self.outputs = keep_outputs, []
         engine._call = self
 
-    def __call__(self, *a):
-        self.calls.append(a)
-        return self._orig(*a)
+    def __call__(self, tokens, batch, bank, ids, plen, samp, flags=(False, False, False), next_tokens=None):
+        self.calls.append((tokens, batch, bank, ids, plen, samp, flags, next_tokens))
+        out = self._orig(tokens, batch, bank, ids, plen, samp, flags, next_tokens)
+        if self.keep_outputs:                                   # tests: what the engine got from each call
+            self.outputs.append(out)
+        return out
 
     def staged(self):
         """The recorded calls with every argument on the device (tokens from an earlier call stay as they are)."""
         out = []
-        for tokens, batch, bank, ids, plen, temp, top_p, top_k in self.calls:
+        for tokens, batch, bank, ids, plen, samp, flags, next_tokens in self.calls:
+            temp, top_p, top_k, key_data, counters = (jnp.asarray(x) for x in samp)
             out.append((jnp.asarray(tokens), batch, bank, None if bank is None else jnp.asarray(ids),
-                        jnp.asarray(plen), jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k)))
+                        jnp.asarray(plen), temp, top_p, top_k, (key_data, counters), flags,
+                        None if next_tokens is None else jnp.asarray(next_tokens)))
         jax.block_until_ready(out)
         self.calls = []
         return out
 
 
-def bare_loop(runner, engine, staged) -> float:
-    """Seconds to run the staged calls back to back through paged_step on a fresh KV pool."""
+def bare_loop(runner, engine, staged, outputs: list | None = None) -> float:
+    """Seconds to run the staged calls back to back through paged_step on a fresh KV pool (each
+    call's output appended to `outputs` when given)."""
     cache = engine._new_cache()
-    key = jax.random.key(0)
     jax.block_until_ready(cache.k)
     t0 = time.perf_counter()
     nxt = None
-    for tokens, batch, bank, ids, plen, temp, top_p, top_k in staged:
+    for tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens in staged:
+        lp, plp, rl = flags
         nxt, cache = paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p,
-                                top_k, key)
+                                top_k, key, next_tokens, logprobs=lp, prompt_logprobs=plp, return_logits=rl)
+        if outputs is not None:
+            outputs.append(nxt)
     jax.block_until_ready((nxt, cache))
     return time.perf_counter() - t0
 

@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs per variant")
     ap.add_argument("--prompt", default="What is the capital of France?")
     ap.add_argument("--server", action="store_true", help="time `python -m serve server` instead of the CLI")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                    help="which variants to time (default: all)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more CLI arguments")
     args = ap.parse_args(argv)
 
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     warm_dir, cold_dir = os.path.join(work, "warm"), os.path.join(work, "cold")
     base_env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     base_env.pop("PREFT_JAX_NO_CACHE", None)
-    results = {v: ([], []) for v in VARIANTS}
+    results = {v: ([], []) for v in args.variants}
     outputs = set()
     try:
         if args.server:
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
         else:
             _run(cmd, {**base_env, "PREFT_JAX_CACHE_DIR": warm_dir})      # fill the warm cache
         for _ in range(args.runs):
-            for v in VARIANTS:
+            for v in args.variants:
                 env = dict(base_env)
                 if v == "no-cache":
                     run_cmd = cmd + ["--no-cache"]
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     else:
         print("| variant | wall s, median [min-max] | CPU s (user+sys), median [min-max] |")
     print("|---|---|---|")
-    for v in VARIANTS:
+    for v in args.variants:
         print(f"| {v} | {_fmt(results[v][0])} | {_fmt(results[v][1])} |")
     if len(outputs) != 1:
         print(f"\nWARNING: the variants printed different answers: {outputs}")

@@ -7,7 +7,8 @@
                            [--model PATH|tiny] [--capacity 16] [--lora-rank 16] [--reft-rank 8]
                            [--api-key KEY] [--admin-key KEY] [--allow-unauthenticated-admin]
                            [--adapter-root DIR] [--max-queued 1024] [--request-timeout 600]
-                           [--max-body-bytes 4194304] [--shutdown-grace 10] [--no-warmup] [--warmup-logprobs]
+                           [--max-body-bytes 4194304] [--shutdown-grace 10]
+                           [--warmup background|full|none] [--warmup-logprobs]
     both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--mesh data=D,tensor=T] [--no-cache] [--quiet]
 
 Both enable the persistent compilation cache at start-up (`preft_jax.cache.fast_start`, as
@@ -173,9 +174,14 @@ def cmd_server(args) -> int:
                            kv_cache_memory=args.kv_cache_memory, enable_prefix_cache=not args.no_prefix_cache,
                            max_queued=args.max_queued, request_timeout=args.request_timeout or None,
                            warmup_logprobs=args.warmup_logprobs)
-    if not args.no_warmup:
+    warmup = "none" if args.no_warmup else args.warmup
+    if warmup == "full":
         seconds = engine.warmup(progress=lambda msg: print(f"warmup: {msg}", file=sys.stderr, flush=True))
         print(f"warmup: done in {seconds:.1f} s", file=sys.stderr, flush=True)
+    elif warmup == "background":
+        n = engine.warm_in_background()
+        print(f"warmup: {n} programs compile in the background while the engine is idle "
+              f"(GET /health: warmup_pending)", file=sys.stderr, flush=True)
     model_id = args.model_id or ("smollm2-135m-instruct" if args.model is None else
                                  "tiny" if args.model == "tiny" else
                                  os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0])
@@ -262,7 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     s.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish on SIGTERM before they fail")
-    s.add_argument("--no-warmup", action="store_true", help="skip compiling every prompt bucket at start-up")
+    s.add_argument("--warmup", choices=("background", "full", "none"), default="background",
+                   help="compile every shape bucket in the background while idle, serving at once (default); "
+                        "'full': all of them before the port opens; 'none': each on first use")
+    s.add_argument("--no-warmup", action="store_true", help="same as --warmup none")
     s.add_argument("--warmup-logprobs", action="store_true",
                    help="also compile the log-probability variants at start-up (else on the first such request)")
     s.set_defaults(func=cmd_server)

@@ -29,7 +29,8 @@ slot when its prefill starts and unpins it when the prefill ends (mode "all" kee
 
 Shapes are bucketed (decode: `max_num_seqs` rows x block-table width; prefill: rows (powers of 4 up
 to `max_prefill_seqs`, so one short prompt does not pay for a full prefill batch) x chunk length x
-block-table width), every bucket compiled up front by `warmup()`.
+block-table width), every bucket compiled up front by `warmup()` or, while idle, by the engine thread
+after `warm_in_background()` (serve/warmup.py).
 
 Failure isolation: a request whose own preparation or token handling fails is failed alone; a failed
 prefill call is retried one chunk at a time so only the chunk that fails by itself fails its request;
@@ -64,6 +65,7 @@ from serve.metrics import EngineMetrics
 from serve.registry import AdapterRegistry
 from serve.request import GenerationRequest, Request, Result, new_request_id
 from serve.scheduler import DECODE, Chunk, Scheduler, SchedulerConfig, Sequence
+from serve.warmup import warmup_tasks
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Request", "Result"]
 
@@ -213,6 +215,8 @@ class Engine:
         self._rng = np.random.default_rng(config.seed)      # keys of requests without a seed
         self.fork_buckets = _pow_buckets(1, config.max_num_seqs)
         self._thread: threading.Thread | None = None
+        self._warm_pending: deque = deque()      # background warm-up tasks (serve/warmup.py)
+        self._warm_started: float | None = None
         self._stop = threading.Event()
         self._accepting = True
         self._step_started: float | None = None
@@ -422,7 +426,7 @@ class Engine:
                 "saturation": round(self.active / self.config.max_num_seqs, 3),
                 "queue_saturation": round(self.queued / max(1, self.config.max_queued), 3),
                 "kv_blocks": self.pool.capacity, "kv_blocks_used": self.pool.capacity - self.pool.num_available,
-                "kv_usage": round(self.pool.usage(), 3)}
+                "kv_usage": round(self.pool.usage(), 3), "warmup_pending": len(self._warm_pending)}
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> None:
@@ -826,51 +830,49 @@ class Engine:
         return [(P, C, nb) for P in self.prefill_row_buckets for C in self.chunk_buckets
                 for nb in self.prefill_block_buckets]
 
+    def warmup_tasks(self):
+        """(label, run) per program to compile (serve/warmup.py)."""
+        return warmup_tasks(self)
+
     def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compiles every prefill and decode shape before serving, so no request stalls the running
         streams on a compile. Returns the seconds it took."""
         if self.busy:
             raise RuntimeError("warmup() runs before any request is submitted")
         t0 = time.monotonic()
-        c = self.config
-        bs = c.block_size
-        drop = self.num_blocks * bs
-        bank = self.registry.bank
-        shapes = self.prefill_buckets()
-        lp_variants = [(False, False), (True, False), (True, True)] if c.warmup_logprobs else [(False, False)]
-        logits = {}                                            # prefill rows -> a logits array of that shape
-        for i, (P, C, nb) in enumerate(shapes):
+        tasks = self.warmup_tasks()
+        for i, (label, run) in enumerate(tasks):
             if progress:
-                progress(f"compiling prefill {i + 1}/{len(shapes)} ({P} rows, chunk {C} tokens, context {nb} blocks)")
-            for lp, plp in lp_variants:
-                batch = PagedBatch(jnp.zeros((P, nb), jnp.int32), jnp.zeros(P, jnp.int32), jnp.zeros(P, jnp.int32),
-                                   jnp.full((P, C), drop, jnp.int32), "gather")
-                out = self._call(np.zeros((P, C), np.int32), batch, bank, np.zeros(P, np.int32), np.ones(P, np.int32),
-                                 self._sampling_rows([], P), (lp, plp, True),
-                                 np.zeros((P, C), np.int32) if plp else None)
-                logits[P] = out["logits"]
-        dbank = bank if c.mode == "all" else None
-        R = c.max_num_seqs
-        for i, nb in enumerate(self.block_buckets):
-            if progress:
-                progress(f"compiling decode {i + 1}/{len(self.block_buckets)} (context {nb} blocks)")
-            for lp, _ in lp_variants[:2]:
-                batch = PagedBatch(jnp.zeros((R, nb), jnp.int32), jnp.zeros(R, jnp.int32), jnp.zeros(R, jnp.int32),
-                                   jnp.full((R, 1), drop, jnp.int32), self.decode_attention)
-                out = self._call(np.zeros((R, 1), np.int32), batch, dbank, np.zeros(R, np.int32),
-                                 np.ones(R, np.int32), self._sampling_rows([], R), (lp, False, False))
-                _take_tokens(out["tokens"] if isinstance(out, dict) else out, jnp.zeros(R, jnp.int32))
-        if progress:
-            progress(f"compiling forks ({len(self.fork_buckets)} sizes) and block copies")
-        for S in self.fork_buckets:                             # n > 1: first tokens from one prefill's logits
-            for lp, _ in lp_variants[:2]:
-                for rows_logits in logits.values():
-                    temp, top_p, top_k, key_data, counters = self._sampling_rows([], S)
-                    sample_rows(rows_logits, jnp.zeros(S, jnp.int32), jnp.asarray(temp), jnp.asarray(top_p),
-                                jnp.asarray(top_k), jnp.asarray(key_data), jnp.asarray(counters), logprobs=lp)
-        self._copy_blocks([])
-        jax.block_until_ready(self.cache.k)
+                progress(f"compiling {i + 1}/{len(tasks)}: {label}")
+            run()
         return time.monotonic() - t0
+
+    def warm_in_background(self) -> int:
+        """Queues every warm-up task for the engine thread, which runs one whenever no request is
+        waiting or running (serve/warmup.py). Returns the number of tasks queued."""
+        tasks = self.warmup_tasks()
+        with self._lock:
+            self._warm_pending.extend(tasks)
+        self._warm_started = time.monotonic()
+        self._wake.set()
+        return len(tasks)
+
+    def _warm_one(self) -> None:
+        """Runs the next background warm-up task (engine thread, idle only); a failure drops the rest."""
+        with self._lock:
+            if not self._warm_pending:
+                return
+            label, run = self._warm_pending.popleft()
+        try:
+            run()
+        except Exception:  # noqa: BLE001 - requests then compile on demand
+            log.exception("background warm-up failed at %r; the remaining shapes compile on first use", label)
+            with self._lock:
+                self._warm_pending.clear()
+            self._recover_cache()
+        if not self._warm_pending and self._warm_started is not None:
+            log.info("background warm-up done in %.1f s", time.monotonic() - self._warm_started)
+            self._warm_started = None
 
     # ---- background loop -------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -902,6 +904,9 @@ class Engine:
     def _loop(self):
         while not self._stop.is_set():
             if not self.busy:
+                if self._warm_pending:
+                    self._warm_one()
+                    continue
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue

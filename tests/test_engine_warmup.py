@@ -1,0 +1,100 @@
+"""Warm-up (serve/warmup.py): `warmup()` compiles every program the engine can call, so serving any
+mix of prompt lengths, chunked prompts, adapters and n > 1 compiles nothing more; the background
+warm-up (the server's default) serves requests that arrive before it is done with the same outputs,
+and once it is done nothing compiles either."""
+import time
+
+import numpy as np
+import pytest
+
+from adapter_factory import random_lora, random_reft
+from preft_jax.adapters.bank import build_bank
+from preft_jax.config import tiny_config
+from preft_jax.generation import ModelRunner
+from preft_jax.model import Llama
+from preft_jax.paged_step import copy_blocks, paged_step, sample_rows
+from preft_jax.sampling import SamplingParams
+from reference_llama import random_params
+from serve.engine import Engine, EngineConfig
+from serve.registry import AdapterRegistry, with_policy
+
+CFG = tiny_config()
+NO_STOP = (-1,)
+ADAPTERS = {"a": random_lora(CFG, 21), "b": random_reft(CFG, 22)}
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(Llama.from_params(CFG, random_params(CFG, seed=3)))
+
+
+def _engine(runner, **kw):
+    reg = AdapterRegistry(CFG, 4, lora_rank=4, reft_rank=4)
+    for n, w in ADAPTERS.items():
+        reg.load(n, w)
+    cfg = dict(max_num_seqs=4, max_model_len=48, max_prefill_seqs=4, max_num_batched_tokens=24, block_size=4)
+    cfg.update(kw)
+    return Engine(runner, reg, EngineConfig(**cfg))
+
+
+def _requests(seed, n=7):
+    rng = np.random.default_rng(seed)
+    names = ("a", None, "b")
+    return [(rng.integers(0, CFG.vocab_size, int(rng.integers(2, 36))).tolist(), names[i % 3], int(rng.integers(2, 10)))
+            for i in range(n)]
+
+
+def _alone(runner, prompt, name, n):
+    sp = SamplingParams(max_new_tokens=n, stop_token_ids=NO_STOP)
+    if name is None:
+        return runner.generate([prompt], sp)[0].tokens
+    w = with_policy(ADAPTERS[name], "prefill")
+    return runner.generate([prompt], sp, bank=build_bank(CFG, [w]), adapter_ids=[1])[0].tokens
+
+
+def _compiled():
+    return paged_step._cache_size() + sample_rows._cache_size() + copy_blocks._cache_size()
+
+
+def _serve_all(eng, reqs, n_samples=3):
+    """Every request, plus one n > 1 sampled request, through the background loop; returns tokens."""
+    handles = [eng.submit(p, a, SamplingParams(max_new_tokens=m, stop_token_ids=NO_STOP)) for p, a, m in reqs]
+    forks = eng.submit_n(reqs[0][0], "a", SamplingParams(max_new_tokens=3, temperature=0.8, seed=5,
+                                                         stop_token_ids=NO_STOP), n_samples)
+    return [h.wait(timeout=600).tokens for h in handles], [f.wait(timeout=600).tokens for f in forks]
+
+
+def test_full_warmup_leaves_nothing_to_compile(runner):
+    eng = _engine(runner)
+    eng.warmup()
+    before = _compiled()
+    eng.start()
+    try:
+        got, _ = _serve_all(eng, _requests(1))
+    finally:
+        eng.shutdown()
+    assert _compiled() == before
+    assert got[0] == _alone(runner, *_requests(1)[0])
+
+
+def test_background_warmup_serves_early_requests_exactly(runner):
+    eng = _engine(runner, max_num_batched_tokens=16)
+    n = eng.warm_in_background()
+    assert n == len(eng.warmup_tasks()) > 4 and eng.health()["warmup_pending"] == n
+    eng.start()
+    try:
+        reqs = _requests(2)
+        got, _ = _serve_all(eng, reqs)                   # submitted while most shapes are not compiled yet
+        for (p, a, m), toks in zip(reqs, got):
+            assert toks == _alone(runner, p, a, m)
+        deadline = time.monotonic() + 600
+        while eng.health()["warmup_pending"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.health()["warmup_pending"] == 0
+        before = _compiled()
+        got2, _ = _serve_all(eng, _requests(3))
+        assert _compiled() == before                     # warm: nothing compiles any more
+    finally:
+        eng.shutdown()
+    for (p, a, m), toks in zip(_requests(3), got2):
+        assert toks == _alone(runner, p, a, m)
