@@ -6,9 +6,10 @@ Two ways to run them:
   is compiled, so no request ever waits on a compile;
 * in the background (`Engine.warm_in_background()`, the server's default): the engine thread runs one
   task whenever it has no request to step, so the server answers /health and serves as soon as the
-  weights are loaded. A request that arrives first compiles only the shapes it needs, on demand
-  (from the persistent compilation cache on a warm start: well under a second each); once the
-  tasks are done, nothing compiles any more. /health reports `warmup_pending`.
+  weights are loaded. A request that arrives first waits for the one program being compiled at
+  that moment (if any), then compiles only the shapes it needs, on demand (from the persistent
+  compilation cache on a warm start: well under a second each); once the tasks are done, nothing
+  compiles any more. /health reports `warmup_pending`.
 """
 from __future__ import annotations
 
