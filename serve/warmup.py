@@ -75,23 +75,17 @@ def warmup_tasks(engine: "Engine") -> list[Task]:
         engine._copy_blocks([])
         jax.block_until_ready(engine.cache.k)
 
-    tasks: list[Task] = []
-    first = engine.prefill_buckets()[0]
-    tasks.append((f"prefill {first[0]} rows, chunk {first[1]} tokens, context {first[2]} blocks",
-                  prefill(*first, False, False)))
-    tasks.append((f"decode (context {engine.block_buckets[0]} blocks)", decode(engine.block_buckets[0], False)))
-    for P, C, nb in engine.prefill_buckets():
-        for lp, plp in lp_variants:
-            if (P, C, nb, lp, plp) != (*first, False, False):
-                tasks.append((f"prefill {P} rows, chunk {C} tokens, context {nb} blocks"
-                              + (" (logprobs)" if lp else ""), prefill(P, C, nb, lp, plp)))
-    for nb in engine.block_buckets:
-        for lp, _ in lp_variants[:2]:
-            if (nb, lp) != (engine.block_buckets[0], False):
-                tasks.append((f"decode (context {nb} blocks)" + (" (logprobs)" if lp else ""), decode(nb, lp)))
+    prefills = [(f"prefill {P} rows, chunk {C} tokens, context {nb} blocks" + (" (logprobs)" if lp else ""),
+                 prefill(P, C, nb, lp, plp))
+                for P, C, nb in engine.prefill_buckets() for lp, plp in lp_variants]
+    decodes = [(f"decode (context {nb} blocks)" + (" (logprobs)" if lp else ""), decode(nb, lp))
+               for nb in engine.block_buckets for lp, _ in lp_variants[:2]]
+    # the smallest prefill and decode first (what a lone first request needs), then the rest in order
+    tasks: list[Task] = [prefills[0], decodes[0], *prefills[1:], *decodes[1:]]
     for S in engine.fork_buckets:                  # n > 1: first tokens from one prefill's logits
         for lp, _ in lp_variants[:2]:
             for P in engine.prefill_row_buckets:
-                tasks.append((f"fork {S} samples from {P} prefill rows", fork(S, P, lp)))
+                tasks.append((f"fork {S} samples from {P} prefill rows" + (" (logprobs)" if lp else ""),
+                              fork(S, P, lp)))
     tasks.append(("block copies", copies))
     return tasks

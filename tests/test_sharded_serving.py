@@ -113,13 +113,9 @@ SMOLLM = COMMON + textwrap.dedent(r"""
 """)
 
 
-def _run(script):
-    return run_on_fake_devices(script)
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    return _run(TINY)
+    return run_on_fake_devices(TINY)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "all"])
@@ -152,7 +148,7 @@ def test_sharded_engine_placements(tiny):
 
 @pytest.fixture(scope="module")
 def smollm(default_gguf_path):
-    return _run(SMOLLM)
+    return run_on_fake_devices(SMOLLM)
 
 
 @pytest.mark.real_model
