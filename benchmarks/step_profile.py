@@ -1,0 +1,132 @@
+"""Where one engine step's time goes (issue 11.5a): per-call device times of the vLLM-peer workload
+and an XLA:CPU op profile of its decode step.
+
+    python -m benchmarks.step_profile [--repeats 3] [--trace-steps 5] [--top 15] [--model tiny]
+
+The base engine serves the peer workload once (32 requests x 16 random prompt tokens -> 32 greedy
+tokens, benchmarks/peer.py) while `bare_loop.Recorder` keeps every jitted step call. Then:
+
+1. Per-call times: the recorded calls are replayed through `paged_step`, each one timed to
+   completion (block_until_ready), `--repeats` times: the prefill call and the decode calls'
+   median, and their sum (the workload's device time with nothing overlapped).
+2. Op profile: one mid-run decode call is run `--trace-steps` times under `jax.profiler.trace`; the
+   trace's complete events are grouped by op name without its numeric suffix (`ynn_fusion.12` ->
+   `ynn_fusion`) and printed as thread-milliseconds per step. XLA:CPU runs ops on two threads, so a
+   column can add up to more than the step's wall time ("ThunkExecutor::Execute (wait for
+   completion)" is the wall time of the step on the calling thread).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.bare_loop import Recorder, make_engine
+from benchmarks.common import header, load_runner, log, random_prompts, serve
+from preft_jax.paged_step import paged_step
+
+_SUFFIX = re.compile(r"[.\d]+$")
+
+
+def op_table(events, steps: int) -> dict[str, tuple[float, int]]:
+    """Chrome-trace events -> {op name without numeric suffix: (thread-ms per step, calls per step)},
+    largest first. Only complete events ("ph" == "X") on threads count; Python frames ("$...") are
+    dropped."""
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or e.get("name", "").startswith("$"):
+            continue
+        name = _SUFFIX.sub("", e["name"])
+        total[name] += float(e.get("dur", 0.0))
+        count[name] += 1
+    return {k: (v / steps / 1e3, count[k] / steps) for k, v in total.most_common()}
+
+
+def _replay(runner, engine, staged) -> list[float]:
+    cache = engine._new_cache()
+    jax.block_until_ready(cache.k)
+    times = []
+    for tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens in staged:
+        t0 = time.perf_counter()
+        nxt, cache = paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p,
+                                top_k, key, next_tokens)
+        jax.block_until_ready(nxt)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _trace(runner, engine, call, steps: int) -> dict[str, tuple[float, int]]:
+    tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens = call
+    cache = engine._new_cache()
+
+    def step(cache):
+        return paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p, top_k,
+                          key, next_tokens)
+
+    for _ in range(2):
+        nxt, cache = step(cache)
+    jax.block_until_ready(nxt)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                nxt, cache = step(cache)
+            jax.block_until_ready(nxt)
+        files = glob.glob(f"{d}/**/*perfetto_trace.json.gz", recursive=True)
+        if not files:
+            raise RuntimeError("jax.profiler wrote no perfetto trace")
+        data = json.load(gzip.open(files[0]))
+    return op_table(data["traceEvents"] if isinstance(data, dict) else data, steps)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="'tiny', a GGUF/HF path, or the embedded SmolLM2-135M")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trace-steps", type=int, default=5, help="decode calls traced (0: no op profile)")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    args.n_adapters = 0
+    runner = load_runner(args.model)
+    log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens, base engine"))
+    engine = make_engine(runner, None, 1, args)
+    engine.warmup()
+    rec = Recorder(engine)
+    served = serve(engine, random_prompts(args.requests, args.prompt_len, runner.cfg.vocab_size, 0),
+                   [None] * args.requests, args.max_tokens)
+    staged = rec.staged()
+    log(f"engine: {served.tok_per_s:.1f} tok/s, {len(staged)} calls")
+    _replay(runner, engine, staged)                                  # untimed: every shape once
+    runs = np.array([_replay(runner, engine, staged) for _ in range(args.repeats)]) * 1e3
+    per_call = np.median(runs, axis=0)
+    decode = [statistics.median(r[1:]) for r in runs]
+    log("\n| per-call device time | median ms (min-max over repeats) |")
+    log("|---|---:|")
+    log(f"| prefill ({staged[0][0].shape[0]} rows x {staged[0][0].shape[1]}) | {per_call[0]:.1f} "
+        f"({runs[:, 0].min():.1f}-{runs[:, 0].max():.1f}) |")
+    log(f"| decode step ({staged[-1][0].shape[0]} rows), median of {len(staged) - 1} | {statistics.median(decode):.1f} "
+        f"({min(decode):.1f}-{max(decode):.1f}) |")
+    log(f"| all {len(staged)} calls | {per_call.sum():.0f} ({runs.sum(1).min():.0f}-{runs.sum(1).max():.0f}) |")
+    if args.trace_steps > 0:
+        table = _trace(runner, engine, staged[len(staged) // 2], args.trace_steps)
+        log(f"\n| op (decode step, {args.trace_steps} traced) | thread-ms per step | calls per step |")
+        log("|---|---:|---:|")
+        for name, (ms, n) in list(table.items())[:args.top]:
+            log(f"| {name} | {ms:.2f} | {n:g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""benchmarks/step_profile.py: the trace aggregation, and the script end to end on the tiny model."""
+import pytest
+
+from benchmarks import step_profile
+
+
+def test_op_table_groups_suffixes_and_divides_by_steps():
+    events = [
+        {"ph": "X", "name": "ynn_fusion.12", "dur": 300.0},
+        {"ph": "X", "name": "ynn_fusion", "dur": 100.0},
+        {"ph": "X", "name": "ynn_fusion.3", "dur": 200.0},
+        {"ph": "X", "name": "copy_bitcast_fusion.1", "dur": 1000.0},
+        {"ph": "X", "name": "$profiler.py:10 trace", "dur": 9e9},          # Python frame: dropped
+        {"ph": "i", "name": "ynn_fusion.4", "dur": 5e6},                 # not a complete event
+        {"ph": "X", "name": "dot", "dur": 50.0},
+    ]
+    table = step_profile.op_table(events, steps=2)
+    assert list(table) == ["copy_bitcast_fusion", "ynn_fusion", "dot"]   # largest first
+    assert table["copy_bitcast_fusion"] == (0.5, 0.5)                     # 1000 us, 1 call over 2 steps
+    assert table["ynn_fusion"] == pytest.approx((0.3, 1.5))               # 600 us, 3 calls over 2 steps
+    assert table["dot"] == pytest.approx((0.025, 0.5))
+
+
+def test_step_profile_runs_on_the_tiny_model(capsys):
+    assert step_profile.main(["--model", "tiny", "--requests", "4", "--prompt-len", "8", "--max-tokens", "4",
+                              "--repeats", "1", "--trace-steps", "1", "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "engine: " in out and ", 4 calls" in out                      # 1 prefill + 3 decode
+    assert "| decode step (4 rows), median of 3 |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "fusion" in line]
+    assert rows and all(float(r.split("|")[2]) >= 0 for r in rows)
