@@ -67,6 +67,14 @@ class Recorder:
         return out
 
 
+def replay(runner, call, cache):
+    """One staged call (`Recorder.staged`) through paged_step on `cache`: (output, cache)."""
+    tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens = call
+    lp, plp, rl = flags
+    return paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p, top_k, key,
+                      next_tokens, logprobs=lp, prompt_logprobs=plp, return_logits=rl)
+
+
 def bare_loop(runner, engine, staged, outputs: list | None = None) -> float:
     """Seconds to run the staged calls back to back through paged_step on a fresh KV pool (each
     call's output appended to `outputs` when given)."""
@@ -74,10 +82,8 @@ def bare_loop(runner, engine, staged, outputs: list | None = None) -> float:
     jax.block_until_ready(cache.k)
     t0 = time.perf_counter()
     nxt = None
-    for tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens in staged:
-        lp, plp, rl = flags
-        nxt, cache = paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p,
-                                top_k, key, next_tokens, logprobs=lp, prompt_logprobs=plp, return_logits=rl)
+    for call in staged:
+        nxt, cache = replay(runner, call, cache)
         if outputs is not None:
             outputs.append(nxt)
     jax.block_until_ready((nxt, cache))

@@ -31,14 +31,13 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.bare_loop import Recorder, make_engine
+from benchmarks.bare_loop import Recorder, make_engine, replay
 from benchmarks.common import header, load_runner, log, random_prompts, serve
-from preft_jax.paged_step import paged_step
 
 _SUFFIX = re.compile(r"[.\d]+$")
 
 
-def op_table(events, steps: int) -> dict[str, tuple[float, int]]:
+def op_table(events, steps: int) -> dict[str, tuple[float, float]]:
     """Chrome-trace events -> {op name without numeric suffix: (thread-ms per step, calls per step)},
     largest first. Only complete events ("ph" == "X") on threads count; Python frames ("$...") are
     dropped."""
@@ -52,34 +51,28 @@ def op_table(events, steps: int) -> dict[str, tuple[float, int]]:
     return {k: (v / steps / 1e3, count[k] / steps) for k, v in total.most_common()}
 
 
-def _replay(runner, engine, staged) -> list[float]:
+def _timed(runner, engine, staged) -> list[float]:
+    """Seconds of each staged call, each run to completion, on a fresh KV pool."""
     cache = engine._new_cache()
     jax.block_until_ready(cache.k)
     times = []
-    for tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens in staged:
+    for call in staged:
         t0 = time.perf_counter()
-        nxt, cache = paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p,
-                                top_k, key, next_tokens)
+        nxt, cache = replay(runner, call, cache)
         jax.block_until_ready(nxt)
         times.append(time.perf_counter() - t0)
     return times
 
 
-def _trace(runner, engine, call, steps: int) -> dict[str, tuple[float, int]]:
-    tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens = call
+def _trace(runner, engine, call, steps: int) -> dict[str, tuple[float, float]]:
     cache = engine._new_cache()
-
-    def step(cache):
-        return paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p, top_k,
-                          key, next_tokens)
-
     for _ in range(2):
-        nxt, cache = step(cache)
+        nxt, cache = replay(runner, call, cache)
     jax.block_until_ready(nxt)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(steps):
-                nxt, cache = step(cache)
+                nxt, cache = replay(runner, call, cache)
             jax.block_until_ready(nxt)
         files = glob.glob(f"{d}/**/*perfetto_trace.json.gz", recursive=True)
         if not files:
@@ -98,7 +91,6 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-steps", type=int, default=5, help="decode calls traced (0: no op profile)")
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)
-    args.n_adapters = 0
     runner = load_runner(args.model)
     log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens, base engine"))
     engine = make_engine(runner, None, 1, args)
@@ -108,8 +100,8 @@ def main(argv=None) -> int:
                    [None] * args.requests, args.max_tokens)
     staged = rec.staged()
     log(f"engine: {served.tok_per_s:.1f} tok/s, {len(staged)} calls")
-    _replay(runner, engine, staged)                                  # untimed: every shape once
-    runs = np.array([_replay(runner, engine, staged) for _ in range(args.repeats)]) * 1e3
+    _timed(runner, engine, staged)                                   # untimed: every shape once
+    runs = np.array([_timed(runner, engine, staged) for _ in range(args.repeats)]) * 1e3
     per_call = np.median(runs, axis=0)
     decode = [statistics.median(r[1:]) for r in runs]
     log("\n| per-call device time | median ms (min-max over repeats) |")
