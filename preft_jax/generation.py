@@ -45,7 +45,7 @@ def sequence_hidden(graphdef, state, tokens, prompt_lengths, bank=None, adapter_
     """Teacher-forced final hidden states [B, T, d] (pre final norm). Not jitted: trainers wrap it."""
     model = nnx.merge(graphdef, state)
     idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths)
-    h, _ = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank))
+    h, _ = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank, row_slots=adapter_ids))
     return h
 
 
@@ -61,7 +61,8 @@ def prefill_step(graphdef, state, tokens, prompt_lengths, slot_ids, cache: KVCac
     """tokens: int [B, T] right-padded; writes K/V into cache[slot_ids]. -> (last logits [B, V], cache)."""
     model = nnx.merge(graphdef, state)
     idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths)
-    h, cache = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank), cache, slot_ids)
+    h, cache = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank, row_slots=adapter_ids), cache,
+                                   slot_ids)
     last = h[jnp.arange(tokens.shape[0]), prompt_lengths - 1]
     return model.logits(last), cache
 

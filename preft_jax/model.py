@@ -227,14 +227,16 @@ class Llama(nnx.Module):
         return (h, cache, ys) if with_ys else (h, cache)
 
     # ---- entry points --------------------------------------------------------------------------
-    def adapter_context(self, token_slots, bank: AdapterBank | None, mode: str | None = None):
+    def adapter_context(self, token_slots, bank: AdapterBank | None, mode: str | None = None, row_slots=None):
         """The step's AdapterContext for token_slots int [B, T] (slot per token) with this model's
-        adapter backend; None without a bank. mode None: gather for one token per sequence, else grouped."""
+        adapter backend; None without a bank. row_slots int [B]: each sequence's adapter slot, when
+        token (b, t) uses slot 0 or row_slots[b] (`token_adapter_index`'s output always does). mode
+        None: the layout `AdapterContext.build` picks (gather for one token per sequence)."""
         if bank is None:
             return None
         if token_slots is None:
             raise ValueError("a bank needs token -> slot indices")
-        return AdapterContext.build(token_slots, bank.n_slots, self.adapter_backend, mode)
+        return AdapterContext.build(token_slots, bank.n_slots, self.adapter_backend, mode, row_slots)
 
     def forward_chunk(self, tokens, bank: AdapterBank | None = None, ctx: AdapterContext | None = None,
                       cache: KVCache | None = None, slot_ids=None):

@@ -46,7 +46,7 @@ def _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_len
     ctx = None
     if bank is not None:
         slots = token_adapter_index(bank, adapter_ids, batch.positions, prompt_lengths)
-        ctx = model.adapter_context(slots, bank)
+        ctx = model.adapter_context(slots, bank, row_slots=adapter_ids)      # a row is one request
     h, cache = model.forward_paged(tokens, batch, cache, bank, ctx)
     return model, h, cache
 

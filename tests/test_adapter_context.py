@@ -199,3 +199,99 @@ def test_pallas_tiling_error_falls_back_to_xla_once(monkeypatch):
     with pytest.warns(RuntimeWarning, match="reft_apply"):
         got = ctx.reft(x, Rm, W, b, sub)
     np.testing.assert_allclose(np.asarray(got), _reft_ref(x, Rm, W, b, sub, slots), rtol=1e-5, atol=1e-5)
+
+
+# ---- rows layout (chunks whose rows each hold one adapter: the engines' prefill, training) ------
+ROWS, COLS = 5, 8
+
+
+def _rows_weights(seed, n):
+    """LoRA weights with slot 0 the base (zeros), as in every bank."""
+    A, B = _lora_weights(seed, n)
+    A[0], B[0] = 0, 0
+    return A, B
+
+
+def _row_case(seed, n):
+    """Row slots (row 1 a base request), and per token the row's slot or 0 (a first/last-k window)."""
+    rng = np.random.default_rng(seed)
+    row_slots = rng.integers(1, n, ROWS).astype(np.int32)
+    row_slots[1] = 0
+    covered = rng.random((ROWS, COLS)) < 0.7
+    return row_slots, np.where(covered, row_slots[:, None], 0).astype(np.int32)
+
+
+def test_rows_mode_inference():
+    row_slots, tok = _row_case(30, 9)
+    build = lambda n, backend="jnp", t=tok: AdapterContext.build(jnp.asarray(np.minimum(t, n - 1)), n, backend,
+                                                                 row_slots=np.minimum(row_slots, n - 1))
+    assert build(context.ROWS_MIN_SLOTS + 1).mode == "rows"
+    assert build(context.ROWS_MIN_SLOTS).mode == "grouped"             # small banks: the masked product
+    assert build(9, "xla").mode == "grouped"                           # other backends group by slot
+    assert build(9, t=tok[:, :1]).mode == "gather"                     # decode
+    assert AdapterContext.build(jnp.asarray(tok), 9, "jnp").mode == "grouped"   # no row_slots: no rows layout
+    with pytest.raises(ValueError, match="'rows' is the jnp backend's layout"):
+        AdapterContext.build(jnp.asarray(tok), 9, "xla", "rows", row_slots)
+    with pytest.raises(ValueError, match=r"needs token_slots \[B, T\] and row_slots \[B\]"):
+        AdapterContext.build(jnp.asarray(tok), 9, "jnp", "rows", row_slots[:3])
+    with pytest.raises(ValueError, match=r"needs token_slots \[B, T\] and row_slots \[B\]"):
+        AdapterContext.build(jnp.asarray(tok), 9, "jnp", "rows")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [context.ROWS_MIN_SLOTS + 1, 40])
+def test_rows_lora_matches_float64_reference(n, dtype):
+    row_slots, tok = _row_case(31 + n, n)
+    A, B = _rows_weights(32, n)
+    x = np.random.default_rng(33).standard_normal((ROWS, COLS, D_IN)).astype(np.float32)
+    ctx = AdapterContext.build(jnp.asarray(tok), n, "jnp", row_slots=row_slots)
+    assert ctx.mode == "rows"
+    xd, Ad, Bd = (jnp.asarray(a, dtype) for a in (x, A, B))
+    got = ctx.lora(xd, Ad, Bd)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == (ROWS, COLS, D_OUT)
+    want = _lora_ref(*(np.asarray(a, np.float32) for a in (xd.reshape(-1, D_IN), Ad, Bd)), tok.reshape(-1))
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32).reshape(-1, D_OUT), want, rtol=tol,
+                               atol=tol * np.abs(want).max())
+    assert np.all(np.asarray(got, np.float32).reshape(-1, D_OUT)[tok.reshape(-1) == 0] == 0)
+
+
+def test_rows_gradients_match_gather():
+    n = 9
+    row_slots, tok = _row_case(34, n)
+    slots = jnp.asarray(tok.reshape(-1))
+    A, B = (jnp.asarray(a) for a in _rows_weights(35, n))
+    x = jnp.asarray(np.random.default_rng(36).standard_normal((ROWS * COLS, D_IN)), jnp.float32)
+    wy = jnp.asarray(np.random.default_rng(37).standard_normal((ROWS * COLS, D_OUT)), jnp.float32)
+    ctx = AdapterContext.build(jnp.asarray(tok), n, "jnp", row_slots=row_slots)
+    got = jax.jit(jax.grad(lambda x, A, B: jnp.sum(ctx.lora(x, A, B) * wy), argnums=(0, 1, 2)))(x, A, B)
+    want = jax.grad(lambda x, A, B: jnp.sum(apply.lora_gather(x, A, B, slots) * wy), argnums=(0, 1, 2))(x, A, B)
+    for name, g, w in zip(("x", "A", "B"), got, want):
+        w = np.asarray(w)
+        assert np.abs(w).max() > 0, name
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=name)
+    unused = np.setdiff1d(np.arange(n), row_slots)
+    assert unused.size and np.all(np.asarray(got[1])[unused] == 0)
+
+
+def test_rows_bad_slot_cannot_reach_other_rows_and_a_foreign_slot_is_loud():
+    n = 9
+    row_slots, tok = _row_case(38, n)
+    row_slots[0] = row_slots[3] = 2
+    tok = np.where(tok > 0, row_slots[:, None], 0).astype(np.int32)
+    A, B = _rows_weights(39, n)
+    x = jnp.asarray(np.random.default_rng(40).standard_normal((ROWS * COLS, D_IN)), jnp.float32)
+    ctx = AdapterContext.build(jnp.asarray(tok), n, "jnp", row_slots=row_slots)
+    clean = np.asarray(ctx.lora(x, jnp.asarray(A), jnp.asarray(B)))
+    A2, B2 = A.copy(), B.copy()
+    A2[2], B2[2] = np.nan, np.inf
+    dirty = np.asarray(ctx.lora(x, jnp.asarray(A2), jnp.asarray(B2)))
+    flat = tok.reshape(-1)
+    np.testing.assert_array_equal(dirty[flat != 2], clean[flat != 2])   # other rows, and slot 2's base tokens
+    assert not np.isfinite(dirty[flat == 2]).any()
+    foreign = tok.copy()
+    foreign[4, 0] = 1 if row_slots[4] != 1 else 3                      # breaks the one-adapter-per-row contract
+    out = np.asarray(AdapterContext.build(jnp.asarray(foreign), n, "jnp", row_slots=row_slots).lora(
+        x, jnp.asarray(A), jnp.asarray(B)))
+    assert np.isnan(out[4 * COLS]).all()
+    np.testing.assert_array_equal(out[4 * COLS + 1:], clean[4 * COLS + 1:])

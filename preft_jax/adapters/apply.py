@@ -30,6 +30,22 @@ def lora_gather(x, A, B, slots):
     return out.astype(x.dtype)
 
 
+def lora_rows(x, A, B, row_slots, slots):
+    """Chunks whose rows each hold one adapter (SGMV by sequence, as vLLM's punica prefill): x [R * C, d_in]
+    row-major over R rows of C tokens, row_slots int32 [R]; each row gathers its slot's A and B once and
+    multiplies its C tokens by them (the FLOPs of one LoRA, whatever the bank's size). A token keeps the
+    delta when its slot is its row's; a base token gets 0 (slot 0 is the base: zeros in every bank), and a token of any other slot, which
+    breaks the layout's contract, gets NaN rather than a silently wrong delta."""
+    R = row_slots.shape[0]
+    xr = x.reshape(R, -1, x.shape[-1])
+    xa = jnp.einsum("rcd,rdk->rck", xr, A[row_slots], preferred_element_type=F32)
+    y = jnp.einsum("rck,rko->rco", xa.astype(B.dtype), B[row_slots], preferred_element_type=F32)
+    y = y.reshape(x.shape[0], -1)
+    own = slots == jnp.repeat(row_slots, xr.shape[1], total_repeat_length=x.shape[0])
+    y = jnp.where(own[:, None], y, jnp.where((slots == 0)[:, None], jnp.zeros((), F32), jnp.asarray(jnp.nan, F32)))
+    return y.astype(x.dtype)
+
+
 def finite_slots(*weights):
     """bool [N]: slot n holds only finite values in every array (leading axis = slot)."""
     ok = None

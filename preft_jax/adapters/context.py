@@ -13,6 +13,13 @@ Layout mode, decided when the context is built (static):
              token (decode: token_slots [n, 1]).
   "grouped"  tokens grouped by slot, each group multiplied by its slot's weights (SGMV / ragged_dot).
              Default for chunks (prefill, training).
+  "rows"     chunks whose rows are sequences with one adapter each (`row_slots` given: token (b, t)
+             uses slot 0 or row_slots[b], as `token_adapter_index` makes them): each row gathers its
+             slot's weights once (`apply.lora_rows`). The jnp backend's layout for such chunks on banks
+             of more than ROWS_MIN_SLOTS slots: its cost is one LoRA's, where the masked product's
+             grows with the bank and the per-token gather's with the chunk (on this CPU, 32 x 16
+             tokens, 9 slots: 66 vs 126 ms per 120 projections; 33 slots: 71 vs 214 for the gather).
+             Other backends keep "grouped" for such chunks (their kernels group by slot already).
 
 Backends (`BACKENDS`):
   jnp     plain XLA, the reference: per-token gather; grouped chunks of banks with <= 32 slots use
@@ -44,8 +51,9 @@ import jax.numpy as jnp
 from preft_jax.adapters import apply
 
 BACKENDS = ("auto", "jnp", "xla", "pallas")
-MODES = ("gather", "grouped")
+MODES = ("gather", "grouped", "rows")
 MASKED_MAX_SLOTS = 32         # jnp backend: chunks on banks up to this many slots use apply.lora_masked
+ROWS_MIN_SLOTS = 5            # jnp backend: one-adapter-per-row chunks on banks of more slots use apply.lora_rows
 PALLAS_BLOCK_TOKENS = 16      # token tile of the grouped Pallas kernels (their default)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))   # activations and adapter weights, every backend
 
@@ -125,7 +133,7 @@ def _warn_once(key, message):
 
 # ---- the context -----------------------------------------------------------------------------
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slots", "order", "inverse", "group_sizes", "kernel_metadata"],
+                   data_fields=["slots", "order", "inverse", "group_sizes", "kernel_metadata", "row_slots"],
                    meta_fields=["backend", "mode", "n_slots"])
 @dataclasses.dataclass(frozen=True)
 class AdapterContext:
@@ -134,24 +142,43 @@ class AdapterContext:
     inverse: jax.Array | None           # int32 [T]: position of token t in `order`
     group_sizes: jax.Array | None       # int32 [N]: tokens per slot (xla grouped)
     kernel_metadata: Any                # Pallas group metadata, built once per step (see build)
+    row_slots: jax.Array | None         # int32 [R]: each row's adapter slot (rows mode)
     backend: str                        # resolved: "jnp" | "xla" | "pallas"
     mode: str                           # "gather" | "grouped"
     n_slots: int
 
     @classmethod
-    def build(cls, token_slots, n_slots: int, backend: str = "jnp", mode: str | None = None) -> "AdapterContext":
-        """token_slots: int [B, T] (or [T]) slot per token, 0 = base; n_slots: the bank's slot count.
+    def build(cls, token_slots, n_slots: int, backend: str = "jnp", mode: str | None = None,
+              row_slots=None) -> "AdapterContext":
+        """token_slots: int [B, T] (or [T]) slot per token, 0 = base; n_slots: the bank's slot count;
+        row_slots: int [B], optional: each row's one adapter slot, declaring that token (b, t) uses slot 0
+        or row_slots[b] (a token that does not gets NaN in rows mode).
 
-        mode None: "gather" when each sequence has one token (token_slots [B, 1] or [T]), else
-        "grouped". Slot ids are clipped to [0, n_slots) like the kernels do (callers validate)."""
+        mode None: "gather" when each sequence has one token (token_slots [B, 1] or [T]); for chunks,
+        "rows" on the jnp backend when row_slots is given and the bank has more than ROWS_MIN_SLOTS
+        slots, else "grouped". Slot ids are clipped to [0, n_slots) like the kernels do (callers validate)."""
         backend = resolve_backend(backend)
         token_slots = jnp.asarray(token_slots)
         if mode is None:
-            mode = "gather" if token_slots.ndim == 1 or token_slots.shape[-1] == 1 else "grouped"
+            if token_slots.ndim == 1 or token_slots.shape[-1] == 1:
+                mode = "gather"
+            elif row_slots is not None and backend == "jnp" and n_slots > ROWS_MIN_SLOTS:
+                mode = "rows"
+            else:
+                mode = "grouped"
         if mode not in MODES:
             raise ValueError(f"adapter context mode must be one of {MODES}, got {mode!r}")
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        if mode == "rows":
+            if backend != "jnp":
+                raise ValueError(f"adapter context mode 'rows' is the jnp backend's layout, not {backend!r}'s")
+            if row_slots is None or token_slots.ndim != 2 or jnp.shape(row_slots) != token_slots.shape[:1]:
+                raise ValueError(f"adapter context mode 'rows' needs token_slots [B, T] and row_slots [B]; got "
+                                 f"{token_slots.shape} and {None if row_slots is None else jnp.shape(row_slots)}")
+            row_slots = jnp.clip(jnp.asarray(row_slots).astype(jnp.int32), 0, n_slots - 1)
+        else:
+            row_slots = None
         slots = jnp.clip(token_slots.reshape(-1).astype(jnp.int32), 0, n_slots - 1)
         order = inverse = group_sizes = metadata = None
         if mode == "grouped" and backend == "xla":
@@ -159,7 +186,7 @@ class AdapterContext:
         if mode == "grouped" and backend == "pallas":
             import pallas_kernels          # the kernels' tile layout, once per step for every layer
             metadata = pallas_kernels.make_group_metadata(slots, n_slots, PALLAS_BLOCK_TOKENS)
-        return cls(slots, order, inverse, group_sizes, metadata, backend, mode, int(n_slots))
+        return cls(slots, order, inverse, group_sizes, metadata, row_slots, backend, mode, int(n_slots))
 
     @property
     def num_tokens(self) -> int:
@@ -198,6 +225,8 @@ class AdapterContext:
     def _lora_flat(self, x, A, B):
         if self.mode == "gather" and self.backend in ("jnp", "xla"):
             return apply.lora_gather(x, A, B, self.slots)
+        if self.mode == "rows":
+            return apply.lora_rows(x, A, B, self.row_slots, self.slots)
         if self.backend == "jnp":
             if self.n_slots <= MASKED_MAX_SLOTS:
                 return apply.lora_masked(x, A, B, self.slots)
