@@ -225,8 +225,8 @@ def test_rows_mode_inference():
     row_slots, tok = _row_case(30, 9)
     build = lambda n, backend="jnp", t=tok: AdapterContext.build(jnp.asarray(np.minimum(t, n - 1)), n, backend,
                                                                  row_slots=np.minimum(row_slots, n - 1))
-    assert build(context.ROWS_MIN_SLOTS + 1).mode == "rows"
-    assert build(context.ROWS_MIN_SLOTS).mode == "grouped"             # small banks: the masked product
+    assert build(context.ROWS_MASKED_MAX_SLOTS + 1).mode == "rows"
+    assert build(context.ROWS_MASKED_MAX_SLOTS).mode == "grouped"             # small banks: the masked product
     assert build(9, "xla").mode == "grouped"                           # other backends group by slot
     assert build(9, t=tok[:, :1]).mode == "gather"                     # decode
     assert AdapterContext.build(jnp.asarray(tok), 9, "jnp").mode == "grouped"   # no row_slots: no rows layout
@@ -239,7 +239,7 @@ def test_rows_mode_inference():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("n", [context.ROWS_MIN_SLOTS + 1, 40])
+@pytest.mark.parametrize("n", [context.ROWS_MASKED_MAX_SLOTS + 1, 40])
 def test_rows_lora_matches_float64_reference(n, dtype):
     row_slots, tok = _row_case(31 + n, n)
     A, B = _rows_weights(32, n)

@@ -16,15 +16,16 @@ Layout mode, decided when the context is built (static):
   "rows"     chunks whose rows are sequences with one adapter each (`row_slots` given: token (b, t)
              uses slot 0 or row_slots[b], as `token_adapter_index` makes them): each row gathers its
              slot's weights once (`apply.lora_rows`). The jnp backend's layout for such chunks on banks
-             of more than ROWS_MIN_SLOTS slots: its cost is one LoRA's, where the masked product's
-             grows with the bank and the per-token gather's with the chunk (on this CPU, 32 x 16
-             tokens, 9 slots: 66 vs 126 ms per 120 projections; 33 slots: 71 vs 214 for the gather).
+             of more than ROWS_MASKED_MAX_SLOTS slots: its cost is one LoRA's, where the masked product's
+             grows with the bank and the per-token gather's with the chunk (`benchmarks.lora_layouts`;
+             this CPU, 32 x 16 tokens, 9 slots: 68 vs 127 ms per 120 projections; 33: 74 vs 232 gather).
              Other backends keep "grouped" for such chunks (their kernels group by slot already).
 
 Backends (`BACKENDS`):
   jnp     plain XLA, the reference: per-token gather; grouped chunks of banks with <= 32 slots use
           one dense product through every slot's weights, each row keeping its own slot's rank
-          columns (`apply.lora_masked`; on CPU ~10-40x cheaper than gathering A and B per token).
+          columns (`apply.lora_masked`; on CPU ~10-40x cheaper than gathering A and B per token);
+          chunks with one adapter per row on banks of > 4 slots use the rows layout.
   xla     for accelerators: grouped chunks through `jax.lax.ragged_dot` on tokens sorted by slot
           (shrink and expand each one grouped matmul); decode through the per-token gather.
           Note: XLA lowers ragged_dot natively on TPU; on CPU and NVIDIA GPUs (jax 0.10) it expands
@@ -53,7 +54,7 @@ from preft_jax.adapters import apply
 BACKENDS = ("auto", "jnp", "xla", "pallas")
 MODES = ("gather", "grouped", "rows")
 MASKED_MAX_SLOTS = 32         # jnp backend: chunks on banks up to this many slots use apply.lora_masked
-ROWS_MIN_SLOTS = 5            # jnp backend: one-adapter-per-row chunks on banks of more slots use apply.lora_rows
+ROWS_MASKED_MAX_SLOTS = 4     # jnp backend: one-adapter-per-row chunks on banks of more slots use apply.lora_rows
 PALLAS_BLOCK_TOKENS = 16      # token tile of the grouped Pallas kernels (their default)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))   # activations and adapter weights, every backend
 
@@ -155,14 +156,14 @@ class AdapterContext:
         or row_slots[b] (a token that does not gets NaN in rows mode).
 
         mode None: "gather" when each sequence has one token (token_slots [B, 1] or [T]); for chunks,
-        "rows" on the jnp backend when row_slots is given and the bank has more than ROWS_MIN_SLOTS
+        "rows" on the jnp backend when row_slots is given and the bank has more than ROWS_MASKED_MAX_SLOTS
         slots, else "grouped". Slot ids are clipped to [0, n_slots) like the kernels do (callers validate)."""
         backend = resolve_backend(backend)
         token_slots = jnp.asarray(token_slots)
         if mode is None:
             if token_slots.ndim == 1 or token_slots.shape[-1] == 1:
                 mode = "gather"
-            elif row_slots is not None and backend == "jnp" and n_slots > ROWS_MIN_SLOTS:
+            elif row_slots is not None and backend == "jnp" and n_slots > ROWS_MASKED_MAX_SLOTS:
                 mode = "rows"
             else:
                 mode = "grouped"
