@@ -34,8 +34,8 @@ def lora_rows(x, A, B, row_slots, slots):
     """Chunks whose rows each hold one adapter (SGMV by sequence, as vLLM's punica prefill): x [R * C, d_in]
     row-major over R rows of C tokens, row_slots int32 [R]; each row gathers its slot's A and B once and
     multiplies its C tokens by them (the FLOPs of one LoRA, whatever the bank's size). A token keeps the
-    delta when its slot is its row's; a base token gets 0 (slot 0 is the base: zeros in every bank), and a token of any other slot, which
-    breaks the layout's contract, gets NaN rather than a silently wrong delta."""
+    delta when its slot is its row's; a base token gets 0 (slot 0 is the base: zeros in every bank); a
+    token of any other slot breaks the layout's contract and gets NaN rather than a wrong delta."""
     R = row_slots.shape[0]
     xr = x.reshape(R, -1, x.shape[-1])
     xa = jnp.einsum("rcd,rdk->rck", xr, A[row_slots], preferred_element_type=F32)

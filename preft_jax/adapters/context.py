@@ -145,7 +145,7 @@ class AdapterContext:
     kernel_metadata: Any                # Pallas group metadata, built once per step (see build)
     row_slots: jax.Array | None         # int32 [R]: each row's adapter slot (rows mode)
     backend: str                        # resolved: "jnp" | "xla" | "pallas"
-    mode: str                           # "gather" | "grouped"
+    mode: str                           # "gather" | "grouped" | "rows"
     n_slots: int
 
     @classmethod
