@@ -2,13 +2,17 @@
 and an XLA:CPU op profile of its decode step.
 
     python -m benchmarks.step_profile [--repeats 3] [--trace-steps 5] [--top 15] [--model tiny]
+                                      [--adapter-dir /work/bench_data/adapters/r16_qkvo --n-adapters 8]
 
 The base engine serves the peer workload once (32 requests x 16 random prompt tokens -> 32 greedy
 tokens, benchmarks/peer.py) while `bare_loop.Recorder` keeps every jitted step call. Then:
 
 1. Per-call times: the recorded calls are replayed through `paged_step`, each one timed to
    completion (block_until_ready), `--repeats` times: the prefill call and the decode calls'
-   median, and their sum (the workload's device time with nothing overlapped).
+   median, and their sum (the workload's device time with nothing overlapped). With
+   `--adapter-dir` (PEFT folders lora_0 .. lora_{N-1}, benchmarks/vllm_peer/prepare.py) a PreFT
+   engine serves the same prompts too, each request on a random one of the N adapters (peer.py's
+   engine), and both engines' calls are replayed round-robin, repeat after repeat.
 2. Op profile: one mid-run decode call is run `--trace-steps` times under `jax.profiler.trace`; the
    trace's complete events are grouped by op name without its numeric suffix (`ynn_fusion.12` ->
    `ynn_fusion`) and printed as thread-milliseconds per step. XLA:CPU runs ops on two threads, so a
@@ -90,27 +94,48 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--trace-steps", type=int, default=5, help="decode calls traced (0: no op profile)")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--adapter-dir", default=None, help="PEFT folders lora_0 .. lora_{N-1}: also time a PreFT engine")
+    ap.add_argument("--n-adapters", type=int, default=8)
     args = ap.parse_args(argv)
     runner = load_runner(args.model)
-    log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens, base engine"))
-    engine = make_engine(runner, None, 1, args)
-    engine.warmup()
-    rec = Recorder(engine)
-    served = serve(engine, random_prompts(args.requests, args.prompt_len, runner.cfg.vocab_size, 0),
-                   [None] * args.requests, args.max_tokens)
-    staged = rec.staged()
-    log(f"engine: {served.tok_per_s:.1f} tok/s, {len(staged)} calls")
-    _timed(runner, engine, staged)                                   # untimed: every shape once
-    runs = np.array([_timed(runner, engine, staged) for _ in range(args.repeats)]) * 1e3
-    per_call = np.median(runs, axis=0)
-    decode = [statistics.median(r[1:]) for r in runs]
-    log("\n| per-call device time | median ms (min-max over repeats) |")
-    log("|---|---:|")
-    log(f"| prefill ({staged[0][0].shape[0]} rows x {staged[0][0].shape[1]}) | {per_call[0]:.1f} "
-        f"({runs[:, 0].min():.1f}-{runs[:, 0].max():.1f}) |")
-    log(f"| decode step ({staged[-1][0].shape[0]} rows), median of {len(staged) - 1} | {statistics.median(decode):.1f} "
-        f"({min(decode):.1f}-{max(decode):.1f}) |")
-    log(f"| all {len(staged)} calls | {per_call.sum():.0f} ({runs.sum(1).min():.0f}-{runs.sum(1).max():.0f}) |")
+    V = runner.cfg.vocab_size
+    log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens"))
+    recorded = {}
+    for label, adir in (("base", None), ("PreFT-LoRA", args.adapter_dir)):
+        if label != "base" and adir is None:
+            continue
+        engine = make_engine(runner, adir, 1, args)
+        engine.warmup()
+        rng = np.random.default_rng(1008)
+        picks = [f"lora_{int(rng.integers(0, args.n_adapters))}" if adir else None for _ in range(args.requests)]
+        if adir:                                   # adapters resident first (a slot write donates the bank)
+            serve(engine, random_prompts(args.requests, args.prompt_len, V, 99), picks, 2)
+        rec = Recorder(engine)
+        served = serve(engine, random_prompts(args.requests, args.prompt_len, V, 0), picks, args.max_tokens)
+        recorded[label] = (engine, rec.staged())
+        log(f"{label} engine: {served.tok_per_s:.1f} tok/s, {len(recorded[label][1])} calls")
+    for engine, staged in recorded.values():
+        _timed(runner, engine, staged)                               # untimed: every shape once
+    runs = {k: [] for k in recorded}
+    for _ in range(args.repeats):
+        for label, (engine, staged) in recorded.items():
+            runs[label].append(_timed(runner, engine, staged))
+    runs = {k: np.array(v) * 1e3 for k, v in runs.items()}
+    staged = recorded["base"][1]
+    cols = list(runs)
+    log("\n| per-call device time, median ms (min-max over repeats) | " + " | ".join(cols) + " |")
+    log("|---|" + "---:|" * len(cols))
+    cell = lambda xs: f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+    log(f"| prefill ({staged[0][0].shape[0]} rows x {staged[0][0].shape[1]}) | "
+        + " | ".join(cell(runs[k][:, 0]) for k in cols) + " |")
+    log(f"| decode step ({staged[-1][0].shape[0]} rows), median of {len(staged) - 1} | "
+        + " | ".join(cell([statistics.median(r[1:]) for r in runs[k]]) for k in cols) + " |")
+    log(f"| all {len(staged)} calls | " + " | ".join(cell(runs[k].sum(1)) for k in cols) + " |")
+    if len(cols) > 1:
+        ratio = runs[cols[1]][:, 0] / runs["base"][:, 0]
+        log(f"# prefill {cols[1]} / base: {statistics.median(ratio):.2f}x "
+            f"({ratio.min():.2f}-{ratio.max():.2f}x per repeat)")
+    engine = recorded["base"][0]
     if args.trace_steps > 0:
         table = _trace(runner, engine, staged[len(staged) // 2], args.trace_steps)
         log(f"\n| op (decode step, {args.trace_steps} traced) | thread-ms per step | calls per step |")
