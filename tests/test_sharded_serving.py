@@ -42,8 +42,8 @@ COMMON = textwrap.dedent(r"""
                                                       jax.tree.leaves(shd.bank_shardings(bank, mesh, cfg))))
         return {k: str(v) for k, v in placed.items()}, bool(same)
 
-    def engine(runner, cfg, adapters, mode, mesh, **kw):
-        reg = AdapterRegistry(cfg, 2, lora_rank=4, reft_rank=4)      # 2 device slots for 3 adapters
+    def engine(runner, cfg, adapters, mode, mesh, capacity=2, **kw):
+        reg = AdapterRegistry(cfg, capacity, lora_rank=4, reft_rank=4)      # default: 2 device slots for 3 adapters
         for n, w in adapters.items():
             reg.load(n, w)
         c = dict(max_num_seqs=4, max_model_len=16, max_prefill_seqs=2, max_num_batched_tokens=12, block_size=4,
@@ -75,6 +75,9 @@ TINY = COMMON + textwrap.dedent(r"""
             eng = engine(runner, cfg, adapters, mode, mesh)
             out[mode][label] = [r.tokens for r in eng.generate(reqs)]
             out[mode][label + "_specs"], out[mode][label + "_declared"] = specs(eng)
+    # 7-slot engines: prompt LoRA takes the jnp rows layout (banks of more than 4 slots)
+    out["rows"] = {label: [r.tokens for r in engine(runner, cfg, adapters, "prefill", mesh, capacity=6).generate(reqs)]
+                   for label, mesh in (("base", None), ("tensor2", meshes["tensor2"]))}
     # ModelRunner.generate (preallocated KVCache path) with a bank, tensor=4 x data=2
     bank = build_bank(cfg, list(adapters.values()))
     prompts = [r[0] for r in reqs[:3]]
@@ -125,6 +128,11 @@ def test_sharded_engine_tokens_equal_unsharded(tiny, mode):
     assert r["data2_tensor4"] == r["base"]
     assert r["base"] != tiny["adapters_matter"]          # the adapters change the tokens (not a no-op check)
     assert all(len(t) >= 3 for t in r["base"])
+
+
+def test_sharded_rows_layout_equals_unsharded_and_the_masked_product(tiny):
+    r = tiny["rows"]
+    assert r["tensor2"] == r["base"] == tiny["prefill"]["base"]     # 7 slots (rows) vs 3 slots (masked)
 
 
 def test_sharded_runner_generate_equals_unsharded(tiny):
