@@ -37,13 +37,12 @@ def lora_rows(x, A, B, row_slots, slots):
     delta when its slot is its row's; a base token gets 0 (slot 0 is the base: zeros in every bank); a
     token of any other slot breaks the layout's contract and gets NaN rather than a wrong delta."""
     R = row_slots.shape[0]
-    xr = x.reshape(R, -1, x.shape[-1])
+    xr, sr = x.reshape(R, -1, x.shape[-1]), slots.reshape(R, -1, 1)
     xa = jnp.einsum("rcd,rdk->rck", xr, A[row_slots], preferred_element_type=F32)
     y = jnp.einsum("rck,rko->rco", xa.astype(B.dtype), B[row_slots], preferred_element_type=F32)
-    y = y.reshape(x.shape[0], -1)
-    own = slots == jnp.repeat(row_slots, xr.shape[1], total_repeat_length=x.shape[0])
-    y = jnp.where(own[:, None], y, jnp.where((slots == 0)[:, None], jnp.zeros((), F32), jnp.asarray(jnp.nan, F32)))
-    return y.astype(x.dtype)
+    other = jnp.where(sr == 0, jnp.zeros((), F32), jnp.asarray(jnp.nan, F32))
+    y = jnp.where(sr == row_slots[:, None, None], y, other)
+    return y.reshape(x.shape[0], -1).astype(x.dtype)
 
 
 def finite_slots(*weights):
