@@ -39,6 +39,18 @@ def make_engine(runner, adapter_dir, steps, args):
         max_num_batched_tokens=R + R * args.prompt_len, enable_prefix_cache=False, num_scheduler_steps=steps))
 
 
+def served_engine(runner, adapter_dir, steps, args):
+    """(engine, adapter picks): a warmed-up `make_engine` and each request's adapter (a seeded random one
+    of lora_0 .. lora_{n_adapters-1}; None without adapter_dir), after one short untimed batch that makes
+    the picked adapters resident (a slot write donates the bank an earlier recorded call holds)."""
+    eng = make_engine(runner, adapter_dir, steps, args)
+    eng.warmup()
+    rng = np.random.default_rng(1008)
+    picks = [f"lora_{int(rng.integers(0, args.n_adapters))}" if adapter_dir else None for _ in range(args.requests)]
+    serve(eng, random_prompts(args.requests, args.prompt_len, runner.cfg.vocab_size, 99), picks, 2)
+    return eng, picks
+
+
 class Recorder:
     """Wraps engine._call: keeps the arguments of every call (device copies made after the run)."""
 
@@ -109,16 +121,11 @@ def main(argv=None) -> int:
     runner = load_runner(None)
     log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens"))
     V = runner.cfg.vocab_size
-    names = [f"lora_{i}" for i in range(args.n_adapters)]
     cases, calls = {}, {}
     for label, with_ad in (("base", False), ("PreFT-LoRA", True)):
         for steps in args.steps:
             name = f"{label} steps={steps}"
-            eng = make_engine(runner, str(adir) if with_ad else None, steps, args)
-            eng.warmup()
-            rng = np.random.default_rng(1008)
-            picks = [names[int(rng.integers(0, args.n_adapters))] if with_ad else None for _ in range(args.requests)]
-            serve(eng, random_prompts(args.requests, args.prompt_len, V, 99), picks, 2)
+            eng, picks = served_engine(runner, str(adir) if with_ad else None, steps, args)
             rec = Recorder(eng)
             held = {}
 

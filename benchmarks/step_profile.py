@@ -35,7 +35,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.bare_loop import Recorder, make_engine, replay
+from benchmarks.bare_loop import Recorder, replay, served_engine
 from benchmarks.common import header, load_runner, log, random_prompts, serve
 
 _SUFFIX = re.compile(r"[.\d]+$")
@@ -101,15 +101,9 @@ def main(argv=None) -> int:
     V = runner.cfg.vocab_size
     log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens"))
     recorded = {}
-    for label, adir in (("base", None), ("PreFT-LoRA", args.adapter_dir)):
-        if label != "base" and adir is None:
-            continue
-        engine = make_engine(runner, adir, 1, args)
-        engine.warmup()
-        rng = np.random.default_rng(1008)
-        picks = [f"lora_{int(rng.integers(0, args.n_adapters))}" if adir else None for _ in range(args.requests)]
-        if adir:                                   # adapters resident first (a slot write donates the bank)
-            serve(engine, random_prompts(args.requests, args.prompt_len, V, 99), picks, 2)
+    variants = {"base": None, **({"PreFT-LoRA": args.adapter_dir} if args.adapter_dir else {})}
+    for label, adir in variants.items():
+        engine, picks = served_engine(runner, adir, 1, args)
         rec = Recorder(engine)
         served = serve(engine, random_prompts(args.requests, args.prompt_len, V, 0), picks, args.max_tokens)
         recorded[label] = (engine, rec.staged())
