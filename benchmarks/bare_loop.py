@@ -59,9 +59,10 @@ class Recorder:
         self.keep_outputs, self.outputs = keep_outputs, []
         engine._call = self
 
-    def __call__(self, tokens, batch, bank, ids, plen, samp, flags=(False, False, False), next_tokens=None):
-        self.calls.append((tokens, batch, bank, ids, plen, samp, flags, next_tokens))
-        out = self._orig(tokens, batch, bank, ids, plen, samp, flags, next_tokens)
+    def __call__(self, tokens, batch, bank, ids, plen, samp, flags=(False, False, False), next_tokens=None,
+                 native=None):
+        self.calls.append((tokens, batch, bank, ids, plen, samp, flags, next_tokens, native))
+        out = self._orig(tokens, batch, bank, ids, plen, samp, flags, next_tokens, native)
         if self.keep_outputs:                                   # tests: what the engine got from each call
             self.outputs.append(out)
         return out
@@ -69,11 +70,11 @@ class Recorder:
     def staged(self):
         """The recorded calls with every argument on the device (tokens from an earlier call stay as they are)."""
         out = []
-        for tokens, batch, bank, ids, plen, samp, flags, next_tokens in self.calls:
+        for tokens, batch, bank, ids, plen, samp, flags, next_tokens, native in self.calls:
             temp, top_p, top_k, key_data, counters = (jnp.asarray(x) for x in samp)
             out.append((jnp.asarray(tokens), batch, bank, None if bank is None else jnp.asarray(ids),
                         jnp.asarray(plen), temp, top_p, top_k, (key_data, counters), flags,
-                        None if next_tokens is None else jnp.asarray(next_tokens)))
+                        None if next_tokens is None else jnp.asarray(next_tokens), native))
         jax.block_until_ready(out)
         self.calls = []
         return out
@@ -81,10 +82,10 @@ class Recorder:
 
 def replay(runner, call, cache):
     """One staged call (`Recorder.staged`) through paged_step on `cache`: (output, cache)."""
-    tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens = call
+    tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens, native = call
     lp, plp, rl = flags
     return paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p, top_k, key,
-                      next_tokens, logprobs=lp, prompt_logprobs=plp, return_logits=rl)
+                      next_tokens, native, logprobs=lp, prompt_logprobs=plp, return_logits=rl)
 
 
 def bare_loop(runner, engine, staged, outputs: list | None = None) -> float:

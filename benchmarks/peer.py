@@ -9,7 +9,8 @@ prompt tokens -> 32 greedy tokens each, no early stop; repeat r uses prompt seed
 request one of 8 PEFT LoRA folders (rank 16, q/k/v/o, the very same files on both engines).
 
 Variants:
-  jax base           preft_jax paged Engine, no adapters
+  jax base           preft_jax paged Engine, no adapters (decode: the native CPU step where it builds)
+  jax base, XLA decode   the same engine with cpu_decode="xla" (every call through XLA:CPU)
   jax PreFT-LoRA     the 8 LoRAs on prompt tokens only (mode prefill; decode = base)
   jax all-token LoRA the 8 LoRAs on every token (mode all) - preft_jax's own multi-LoRA baseline
   vLLM base          vLLM's default plain engine (compiled)
@@ -30,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "vllm_peer"))
 from workload import Workload, digest  # noqa: E402
 
 
-def jax_engine(runner, mode, adapter_dir, n_adapters, args):
+def jax_engine(runner, mode, adapter_dir, n_adapters, args, cpu_decode="auto"):
     from serve.engine import Engine, EngineConfig
     from serve.registry import AdapterRegistry
     reg = AdapterRegistry(runner.cfg, n_adapters if adapter_dir else 0, lora_targets=("q", "k", "v", "o"),
@@ -38,7 +39,7 @@ def jax_engine(runner, mode, adapter_dir, n_adapters, args):
     R = args.requests
     return Engine(runner, reg, EngineConfig(
         max_num_seqs=R, max_model_len=args.prompt_len + args.max_tokens, mode=mode, max_prefill_seqs=R,
-        max_num_batched_tokens=R + R * args.prompt_len, enable_prefix_cache=False))
+        max_num_batched_tokens=R + R * args.prompt_len, enable_prefix_cache=False, cpu_decode=cpu_decode))
 
 
 def main(argv=None) -> int:
@@ -72,10 +73,12 @@ def main(argv=None) -> int:
                         n_adapters=n, seed=rep, vocab_size=runner.cfg.vocab_size)
 
     cases, digests = {}, {}
-    for label, mode, with_adapters in (("jax base", "prefill", False), ("jax PreFT-LoRA", "prefill", True),
-                                       ("jax all-token LoRA", "all", True)):
+    for label, mode, with_adapters, cpu_decode in (
+            ("jax base", "prefill", False, "auto"), ("jax base, XLA decode", "prefill", False, "xla"),
+            ("jax PreFT-LoRA", "prefill", True, "auto"), ("jax all-token LoRA", "all", True, "auto")):
         t0 = time.perf_counter()
-        eng = jax_engine(runner, mode, str(adir) if with_adapters else None, args.n_adapters, args)
+        eng = jax_engine(runner, mode, str(adir) if with_adapters else None, args.n_adapters, args, cpu_decode)
+        log(f"# {label}: decode {'native CPU step' if eng.native is not None else 'XLA'}")
         eng.warmup()
         n = args.n_adapters if with_adapters else 0
         w = work(99, n)
@@ -108,7 +111,8 @@ def main(argv=None) -> int:
                 digests.setdefault(label, []).append(r["digest"])
                 return {"tok_per_s": r["tok_per_s"], "wall_s": r["wall_s"]}
             return fn
-        order = ["jax base", "vLLM base", "jax PreFT-LoRA", "vLLM multi-LoRA", "jax all-token LoRA"]
+        order = ["jax base", "vLLM base", "jax base, XLA decode", "jax PreFT-LoRA", "vLLM multi-LoRA",
+                 "jax all-token LoRA"]
         cases["vLLM base"] = vfn("base", 0, "vLLM base")
         cases["vLLM multi-LoRA"] = vfn("lora", args.n_adapters, "vLLM multi-LoRA")
         cases = {k: cases[k] for k in order}
@@ -125,7 +129,8 @@ def main(argv=None) -> int:
     ratios = [("jax base / vLLM base", "jax base", "vLLM base", 1.0),
               ("jax PreFT-LoRA / vLLM multi-LoRA", "jax PreFT-LoRA", "vLLM multi-LoRA", 3.0),
               ("jax all-token LoRA / vLLM multi-LoRA", "jax all-token LoRA", "vLLM multi-LoRA", None),
-              ("jax PreFT-LoRA / jax base", "jax PreFT-LoRA", "jax base", None)]
+              ("jax PreFT-LoRA / jax base", "jax PreFT-LoRA", "jax base", None),
+              ("jax base / jax base, XLA decode", "jax base", "jax base, XLA decode", None)]
     log("\n| ratio | median | per-repeat min-max | target |\n|---|---:|---:|---|")
     for label, a, b, target in ratios:
         if a in runs and b in runs:
@@ -134,8 +139,9 @@ def main(argv=None) -> int:
             log(f"| {label} | {med[a] / med[b]:.2f}x | {min(per):.2f}-{max(per):.2f}x | {t} |")
     if "vLLM base" in digests:
         log(f"# output digests per repeat: " + "; ".join(f"{k}: {','.join(v)}" for k, v in digests.items()))
-        same = sum(a == b for a, b in zip(digests["jax base"], digests["vLLM base"]))
-        log(f"# jax base == vLLM base greedy outputs in {same}/{len(digests['jax base'])} repeats")
+        for mine in ("jax base", "jax base, XLA decode"):
+            same = sum(a == b for a, b in zip(digests[mine], digests["vLLM base"]))
+            log(f"# {mine} == vLLM base greedy outputs in {same}/{len(digests[mine])} repeats")
     log(f"# total wall {time.perf_counter() - t_all:.0f} s")
     write_json(args.json, {"args": vars(args), "runs": runs, "digests": digests})
     return 0

@@ -2,7 +2,7 @@
 then one sampled token per row, so the host sees only token ids (one transfer per step).
 
     out, cache = paged_step(graphdef, state, tokens, batch, cache, bank, adapter_ids,
-                            prompt_lengths, temperature, top_p, top_k, key,
+                            prompt_lengths, temperature, top_p, top_k, key, next_tokens=None, native=None,
                             logprobs=False, prompt_logprobs=False, return_logits=False)
 
 `out` is the sampled token ids int32 [R] when no extra is asked for (the hot path: nothing else is
@@ -26,7 +26,8 @@ Decode is C == 1 (adapter gather layout); prefill chunks are C > 1 (grouped layo
 per token by the same position policy as everywhere (`token_adapter_index` with absolute positions),
 so a prompt prefilled in chunks is adapted exactly like a whole prompt, and generated tokens of a
 PreFT request run on base weights (their positions are >= the prompt length). `bank=None` compiles
-the plain base model.
+the plain base model. `native` (a `preft_jax.native_decode.NativeWeights`, decode calls without a
+bank only) runs the decoder layers and the LM head as native CPU calls instead of XLA's.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from preft_jax import native_decode
 from preft_jax.adapters.positions import token_adapter_index
 from preft_jax.paged_kv import PagedBatch, PagedKVCache
 from preft_jax.sampling import MAX_TOP_LOGPROBS, row_keys, sample, token_logprobs
@@ -71,11 +73,17 @@ def _prompt_logprobs(model, h, next_tokens):
 
 
 def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids, prompt_lengths,
-               temperature, top_p, top_k, key, next_tokens=None, *, logprobs: bool = False,
+               temperature, top_p, top_k, key, next_tokens=None, native=None, *, logprobs: bool = False,
                prompt_logprobs: bool = False, return_logits: bool = False):
-    model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
-    R = tokens.shape[0]
-    logits = model.logits(h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)])
+    if native is not None:                                   # a base-weights decode call, natively on CPU
+        if bank is not None or prompt_logprobs:
+            raise ValueError("the native decode step runs base weights without prompt log-probs")
+        model = nnx.merge(graphdef, state)
+        logits, cache = native_decode.decode_logits(model, native, tokens, batch, cache)
+    else:
+        model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
+        R = tokens.shape[0]
+        logits = model.logits(h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)])
     if isinstance(key, tuple):
         key = row_keys(*key)
     nxt = sample(logits, key, temperature, top_p, top_k)

@@ -52,7 +52,9 @@ from typing import Callable, Sequence as Seq
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from preft_jax import native_decode
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
 from preft_jax import sharding as shd
@@ -125,10 +127,13 @@ class EngineConfig:
     min_chunk: int = 16                  # smallest prefill chunk bucket
     num_scheduler_steps: int = 4         # decode calls per step when nothing waits (pipelined, see _run_decode)
     warmup_logprobs: bool = False        # warmup() also compiles the log-probability variants (else: on first use)
+    cpu_decode: str = "auto"             # base-weight decode calls: "native" (CPU FFI step), "xla", or "auto"
 
     def __post_init__(self):
         if self.mode not in ("prefill", "all"):
             raise ValueError(f"engine mode must be 'prefill' or 'all', got {self.mode!r}")
+        if self.cpu_decode not in native_decode.CPU_DECODE:
+            raise ValueError(f"cpu_decode must be one of {native_decode.CPU_DECODE}, got {self.cpu_decode!r}")
         for name in ("max_num_seqs", "max_prefill_seqs", "block_size", "min_chunk", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -201,6 +206,7 @@ class Engine:
             config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_seqs, config.max_model_len, bs,
             config.mode, config.starvation_s), self.pool, registry)
         self.decode_attention = choose_attention(cfg, bs)
+        self.native = self._native_weights()
         max_blocks = -(-config.max_model_len // bs)
         self.block_buckets = _pow_buckets(1, max_blocks)               # decode: every step, fine buckets
         self.prefill_block_buckets = _pow_buckets(1, max_blocks, 4)    # prefill context: coarser
@@ -235,6 +241,24 @@ class Engine:
         if self.mesh is None:
             return PagedKVCache.create(cfg, nb, bs, dt)
         return jax.jit(lambda: PagedKVCache.create(cfg, nb, bs, dt), out_shardings=self.cache_shardings)()
+
+    def _native_weights(self):
+        """The packed weights of the native CPU decode step (preft_jax.native_decode), or None: "auto"
+        takes it where it can serve (one CPU device, float32, the library builds), "native" requires it."""
+        choice = self.config.cpu_decode
+        if choice == "xla":
+            return None
+        if self.config.mode == "all" and self.registry.bank is not None:
+            return None                            # every decode call applies the rows' adapters
+        why = (f"the default backend is {jax.default_backend()}" if jax.default_backend() != "cpu"
+               else native_decode.unsupported_reason(self.runner.cfg, self.runner.dtype, self.mesh))
+        if why:
+            if choice == "native":
+                raise ValueError(f"cpu_decode='native' is unavailable: {why}")
+            log.info("decode on the XLA path: %s", why)
+            return None
+        model = nnx.merge(self.runner.graphdef, self.runner.state)
+        return native_decode.pack(model)
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, prompt_ids: Seq[int], adapter: str | None = None,
@@ -531,7 +555,8 @@ class Engine:
                 next_tokens[r, :len(nxt)] = nxt
         return tokens, batch, ids, plen, samp, (logprobs, next_tokens is not None, True), next_tokens
 
-    def _call(self, tokens, batch, bank, ids, plen, samp, flags=(False, False, False), next_tokens=None):
+    def _call(self, tokens, batch, bank, ids, plen, samp, flags=(False, False, False), next_tokens=None,
+              native=None):
         """One jitted step (dispatched asynchronously): device array of sampled token ids, or a dict
         of device arrays (`paged_step`) when flags = (logprobs, prompt_logprobs, return_logits) ask
         for more."""
@@ -542,7 +567,7 @@ class Engine:
                 self.runner.graphdef, self.runner.state, jnp.asarray(tokens), batch, self.cache, bank,
                 None if bank is None else jnp.asarray(ids), jnp.asarray(plen), jnp.asarray(temp),
                 jnp.asarray(top_p), jnp.asarray(top_k), (jnp.asarray(key_data), jnp.asarray(counters)),
-                None if next_tokens is None else jnp.asarray(next_tokens),
+                None if next_tokens is None else jnp.asarray(next_tokens), native,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, return_logits=return_logits)
         return out
 
@@ -674,9 +699,15 @@ class Engine:
             index = np.zeros(self.config.max_num_seqs, np.int32)
             index[:len(seqs)] = [where[id(s)] for s in seqs]
             tokens = _take_tokens(prev_tokens, jnp.asarray(index))
-        bank = self.registry.bank if self.config.mode == "all" else None
         logprobs = any(s.req.sampling.logprobs is not None for s in seqs)
-        return self._call(tokens, batch, bank, ids, plen, samp, (logprobs, False, False))
+        return self._call_decode(tokens, batch, ids, plen, samp, logprobs)
+
+    def _call_decode(self, tokens, batch, ids, plen, samp, logprobs: bool):
+        """One decode call: with each row's adapter in mode "all"; else on base weights, natively on
+        CPU where the engine packed weights for it (`self.native`)."""
+        bank = self.registry.bank if self.config.mode == "all" else None
+        return self._call(tokens, batch, bank, ids, plen, samp, (logprobs, False, False), None,
+                          self.native if bank is None else None)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]):
         """Device copies of shared partial blocks (copy-on-write), padded to one shape (0 -> 0)."""

@@ -39,7 +39,6 @@ def warmup_tasks(engine: "Engine") -> list[Task]:
     V = engine.runner.cfg.vocab_size
     lp_variants = [(False, False), (True, False), (True, True)] if c.warmup_logprobs else [(False, False)]
     R = c.max_num_seqs
-    dbank = bank if c.mode == "all" else None
     logits = {}              # prefill rows -> logits as the step returns them (placement included)
 
     def prefill(P, C, nb, lp, plp):
@@ -56,8 +55,8 @@ def warmup_tasks(engine: "Engine") -> list[Task]:
         def run():
             batch = PagedBatch(jnp.zeros((R, nb), jnp.int32), jnp.zeros(R, jnp.int32), jnp.zeros(R, jnp.int32),
                                jnp.full((R, 1), drop, jnp.int32), engine.decode_attention)
-            out = engine._call(np.zeros((R, 1), np.int32), batch, dbank, np.zeros(R, np.int32),
-                               np.ones(R, np.int32), engine._sampling_rows([], R), (lp, False, False))
+            out = engine._call_decode(np.zeros((R, 1), np.int32), batch, np.zeros(R, np.int32),
+                                      np.ones(R, np.int32), engine._sampling_rows([], R), lp)
             jax.block_until_ready(_take_tokens(out["tokens"] if isinstance(out, dict) else out,
                                                jnp.zeros(R, jnp.int32)))
         return run

@@ -1,0 +1,66 @@
+"""The native CPU decode step: the decoder layers and the LM head of a decode step (one token per
+row, base weights) run as pallas_kernels.cpu's XLA FFI calls on weights packed once at load.
+
+    why = unsupported_reason(cfg, dtype, mesh)        "" when the native step can serve this model here
+    native = pack(model)                              NativeWeights (a pytree: pass it to paged_step)
+    logits, cache = decode_logits(model, native, tokens, batch, cache)
+
+It serves the decode calls that run on base weights alone: every decode call of a PreFT ("prefill"
+mode) or base engine. Prefill chunks, all-token adapter decode, meshes and bfloat16 stay on the XLA
+path (`preft_jax.model`). Its outputs are those of `paged_forward` up to float32 rounding (same
+math; another summation order): tests/test_native_decode.py holds it to the XLA path and the float64
+reference. Cost: a second, packed copy of the layer weights and the LM head in host memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu
+from preft_jax.config import ModelConfig
+from preft_jax.model import rms_norm
+from preft_jax.paged_kv import PagedBatch, PagedKVCache
+
+CPU_DECODE = ("auto", "native", "xla")      # EngineConfig.cpu_decode
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NativeWeights:
+    layers: dict            # pallas_kernels.cpu.pack_decoder(...)
+    lm_head: jax.Array      # [P, d, 48]: the packed [d, V] output projection
+    vocab_size: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+
+def unsupported_reason(cfg: ModelConfig, dtype, mesh=None) -> str:
+    """"" when the native decode step can serve `cfg` in `dtype` here, else why not."""
+    if mesh is not None:
+        return f"the engine runs on a mesh {dict(mesh.shape)} (the native step is one unsharded CPU device)"
+    if jnp.dtype(dtype) != jnp.float32:
+        return f"the model dtype is {jnp.dtype(dtype).name} (the native step is float32)"
+    if cfg.head_dim % 2:
+        return f"head_dim {cfg.head_dim} is odd"
+    return cpu.unavailable_reason()
+
+
+def pack(model) -> NativeWeights:
+    """Packs `model`'s (a preft_jax Llama) layer weights and LM head once."""
+    cfg = model.cfg
+    head = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
+    return NativeWeights(cpu.pack_decoder(model.layers.stacked()), cpu.pack_panels(head), cfg.vocab_size)
+
+
+def decode_logits(model, native: NativeWeights, tokens, batch: PagedBatch, cache: PagedKVCache):
+    """tokens int [R, 1] at positions batch.context_lens (one per row, base weights) -> (logits [R, V]
+    float32, cache with their K/V written). The contract of `paged_forward` for C == 1, no bank."""
+    cfg = model.cfg
+    if tokens.shape[1] != 1:
+        raise ValueError(f"the native decode step takes one token per row, got chunks of {tokens.shape[1]}")
+    h = model.embed[...][tokens[:, 0]].astype(jnp.float32)
+    h, k, v = cpu.decode_layers(h, batch.block_tables, batch.context_lens, batch.chunk_lens,
+                                batch.write_index[:, 0], jnp.asarray(model._inv_freq, jnp.float32), native.layers,
+                                cache.k, cache.v, cfg.rms_eps)
+    h = rms_norm(h, model.final_norm[...], cfg.rms_eps)
+    return cpu.packed_matmul(h, native.lm_head, native.vocab_size), PagedKVCache(k, v)

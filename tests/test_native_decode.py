@@ -1,0 +1,207 @@
+"""The native CPU decode step (pallas_kernels.cpu, preft_jax.native_decode) against independent
+references: the packed matmul against float64 numpy on random shapes (column and row tails); the
+decoder layers against a float64 recompute of whole sequences and against the XLA paged path on the
+same pool (random block placement, padding rows, dropped writes, biases, untied heads); engine
+outputs with cpu_decode native vs xla; bad indices are errors that leave the pool untouched."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu
+from preft_jax import native_decode
+from preft_jax.config import tiny_config
+from preft_jax.generation import ModelRunner
+from preft_jax.model import Llama
+from preft_jax.paged_kv import PagedBatch, PagedKVCache
+from preft_jax.paged_step import paged_logits, paged_step
+from reference_llama import random_params, reference_logits
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native CPU decode unavailable: "
+                                                            f"{cpu.unavailable_reason()}")
+CFG = tiny_config()
+BIASED = tiny_config(qkv_bias=True, tie_embeddings=False, vocab_size=250, ffn_dim=100)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 7, 5), (5, 64, 48), (8, 33, 97), (13, 100, 200), (32, 64, 1000)])
+def test_packed_matmul_matches_float64(M, K, N):
+    rng = np.random.default_rng(M * 1000 + N)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    wp = cpu.pack_panels(w)
+    assert wp.shape == (-(-N // 48), K, 48)
+    got = np.asarray(jax.jit(lambda a, b: cpu.packed_matmul(a, b, N))(x, wp))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(cpu.packed_matmul_reference(x, wp, N)), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+
+
+def test_packed_matmul_rejects_wrong_layouts():
+    x = jnp.ones((4, 16), jnp.float32)
+    with pytest.raises(ValueError, match="packed float32"):
+        cpu.packed_matmul(x, jnp.ones((16, 48), jnp.float32)[None], 100)         # 100 columns need 3 panels
+    with pytest.raises(TypeError, match="float32"):
+        cpu.packed_matmul(x.astype(jnp.bfloat16), cpu.pack_panels(jnp.ones((16, 40))), 40)
+
+
+def _model(cfg, seed=1):
+    params = random_params(cfg, seed)
+    if cfg.qkv_bias:
+        rng = np.random.default_rng(seed)
+        for b, n in (("bq", cfg.q_dim), ("bk", cfg.kv_dim), ("bv", cfg.kv_dim)):
+            params[b] = (0.3 * rng.standard_normal((cfg.n_layers, n))).astype(np.float32)
+    return Llama.from_params(cfg, params), params
+
+
+def _random_step(cfg, rng, R=11, NB=30, BS=4, nb=6):
+    """A decode step over a pool of random values: random tables, context lengths, one padding row,
+    one dropped write; rows write into distinct fresh blocks that no row reads."""
+    shape = (cfg.n_layers, cfg.n_kv_heads, NB, BS, cfg.head_dim)
+    cache = PagedKVCache(jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                         jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    bt = rng.integers(1, NB - R, (R, nb)).astype(np.int32)
+    ctx = rng.integers(0, nb * BS, R).astype(np.int32)
+    clen = np.ones(R, np.int32)
+    widx = ((NB - R + np.arange(R)) * BS + rng.integers(0, BS, R)).astype(np.int32)[:, None]
+    clen[3], widx[3] = 0, NB * BS            # a padding row
+    widx[5] = NB * BS                        # a dropped write
+    tokens = rng.integers(0, cfg.vocab_size, (R, 1)).astype(np.int32)
+    return jnp.asarray(tokens), PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx)), cache
+
+
+@pytest.mark.parametrize("cfg", [CFG, BIASED], ids=["tied", "bias-untied-odd-dims"])
+def test_decode_step_matches_xla_paged_path(cfg):
+    model, _ = _model(cfg)
+    runner = ModelRunner(model)
+    native = native_decode.pack(model)
+    rng = np.random.default_rng(0)
+    tokens, batch, cache = _random_step(cfg, rng)
+    copy = jax.tree.map(jnp.copy, cache)
+    want, want_cache = paged_logits(runner.graphdef, runner.state, tokens, batch, copy)
+    got, got_cache = jax.jit(lambda t, b, c: native_decode.decode_logits(model, native, t, b, c))(tokens, batch, cache)
+    real = np.asarray(batch.chunk_lens) > 0
+    want, got = np.asarray(want)[real], np.asarray(got)[real]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    for w, g in ((want_cache.k, got_cache.k), (want_cache.v, got_cache.v)):
+        w, g = np.asarray(w), np.asarray(g)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        written = np.zeros(w.shape[2] * w.shape[3], bool)
+        written[[int(i) for i in np.asarray(batch.write_index)[real, 0] if i < written.size]] = True
+        untouched = ~written.reshape(w.shape[2], w.shape[3])
+        np.testing.assert_array_equal(g[:, :, untouched], w[:, :, untouched])   # the rest of the pool, bitwise
+
+
+def test_decode_steps_match_float64_recompute():
+    """Sequences prefilled by the XLA path, then decoded token by token natively (teacher-forced),
+    each decode position's logits against a float64 recompute of the whole sequence."""
+    model, params = _model(CFG, seed=3)
+    runner = ModelRunner(model)
+    native = native_decode.pack(model)
+    rng = np.random.default_rng(3)
+    NB, BS, R, P, T = 40, 4, 3, 5, 13
+    seqs = rng.integers(0, CFG.vocab_size, (R, T)).astype(np.int32)
+    blocks = rng.permutation(np.arange(1, NB))[:R * 4].reshape(R, 4).astype(np.int32)
+    cache = PagedKVCache.create(CFG, NB, BS)
+    widx = (blocks[:, np.arange(P) // BS] * BS + np.arange(P) % BS).astype(np.int32)
+    batch = PagedBatch(jnp.asarray(blocks), jnp.zeros(R, jnp.int32), jnp.full(R, P, jnp.int32), jnp.asarray(widx))
+    _, cache = paged_logits(runner.graphdef, runner.state, jnp.asarray(seqs[:, :P]), batch, cache)
+    step = jax.jit(lambda t, b, c: native_decode.decode_logits(model, native, t, b, c))
+    want = reference_logits(CFG, params, seqs)
+    for pos in range(P, T):
+        w = (blocks[:, pos // BS] * BS + pos % BS)[:, None].astype(np.int32)
+        batch = PagedBatch(jnp.asarray(blocks), jnp.full(R, pos, jnp.int32), jnp.ones(R, jnp.int32), jnp.asarray(w))
+        got, cache = step(jnp.asarray(seqs[:, pos:pos + 1]), batch, cache)
+        np.testing.assert_allclose(np.asarray(got), want[:, pos], rtol=1e-4, atol=1e-4 * np.abs(want[:, pos]).max())
+        assert (np.asarray(got).argmax(-1) == want[:, pos].argmax(-1)).all()
+
+
+@pytest.mark.parametrize("bad", ["block", "context", "write"])
+def test_bad_indices_are_errors_and_leave_the_pool_untouched(bad):
+    model, _ = _model(CFG)
+    native = native_decode.pack(model)
+    tokens, batch, cache = _random_step(CFG, np.random.default_rng(5))
+    bt, ctx, widx = np.asarray(batch.block_tables).copy(), np.asarray(batch.context_lens).copy(), \
+        np.asarray(batch.write_index).copy()
+    ctx[0] = 9
+    if bad == "block":
+        bt[0, 1], match = 10_000, "outside the pool"
+    elif bad == "context":
+        ctx[0], match = bt.shape[1] * 4 + 1, "exceeds its block table"
+    else:
+        widx[0], match = -3, "negative write index"
+    batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), batch.chunk_lens, jnp.asarray(widx))
+    before = np.asarray(cache.k).copy()
+    with pytest.raises(Exception, match=match):
+        out, cache2 = native_decode.decode_logits(model, native, tokens, batch, cache)
+        jax.block_until_ready(out)
+    np.testing.assert_array_equal(np.asarray(cache.k), before)
+
+
+def test_paged_step_refuses_native_with_a_bank_or_chunks():
+    model, _ = _model(CFG)
+    runner = ModelRunner(model)
+    native = native_decode.pack(model)
+    tokens, batch, cache = _random_step(CFG, np.random.default_rng(6))
+    R = tokens.shape[0]
+    samp = (jnp.zeros(R), jnp.ones(R), jnp.zeros(R, jnp.int32), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="one token per row"):
+        paged_step(runner.graphdef, runner.state, jnp.concatenate([tokens, tokens], 1), batch, cache, None, None,
+                   jnp.ones(R, jnp.int32), *samp, None, native)
+
+
+def test_unsupported_reasons():
+    assert "bfloat16" in native_decode.unsupported_reason(CFG, jnp.bfloat16)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
+    assert "mesh" in native_decode.unsupported_reason(CFG, jnp.float32, mesh)
+    assert native_decode.unsupported_reason(CFG, jnp.float32) == ""
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+def _engine_outputs(cpu_decode, mode):
+    from adapter_factory import random_lora, random_reft
+    from preft_jax.sampling import SamplingParams
+    from serve.engine import Engine, EngineConfig
+    from serve.registry import AdapterRegistry
+    model, _ = _model(CFG, seed=0)
+    reg = AdapterRegistry(CFG, 4, lora_rank=4, reft_rank=4)
+    reg.load("a", random_lora(CFG, 1))
+    reg.load("b", random_reft(CFG, 2))
+    eng = Engine(ModelRunner(model), reg, EngineConfig(
+        max_num_seqs=4, max_model_len=48, max_prefill_seqs=2, max_num_batched_tokens=12, block_size=4, mode=mode,
+        kv_cache_tokens=64, cpu_decode=cpu_decode))            # a small pool: preemption by recompute
+    rng = np.random.default_rng(11)
+    reqs = [eng.submit(rng.integers(0, CFG.vocab_size, int(rng.integers(3, 20))).tolist(), [None, "a", "b"][i % 3],
+                       SamplingParams(max_new_tokens=int(rng.integers(5, 25)), stop_token_ids=(-1,)))
+            for i in range(7)]
+    while not all(r.finished for r in reqs):
+        eng.step()
+    return eng, [list(r.tokens) for r in reqs]
+
+
+def test_engine_outputs_native_equal_xla():
+    """PreFT mode: mixed adapters and base requests, preemption forced; every decode call native."""
+    eng_n, native = _engine_outputs("native", "prefill")
+    eng_x, xla = _engine_outputs("xla", "prefill")
+    assert eng_n.native is not None and eng_x.native is None
+    assert eng_n.scheduler.preemptions > 0                  # the small pool did force recompute
+    assert native == xla
+
+
+def test_all_token_engine_keeps_xla_decode():
+    eng, _ = _engine_outputs("auto", "all")
+    assert eng.native is None                               # its decode calls apply the rows' adapters
+
+
+def test_engine_cpu_decode_choice():
+    from serve.engine import Engine, EngineConfig
+    from serve.registry import AdapterRegistry
+    with pytest.raises(ValueError, match="cpu_decode must be one of"):
+        EngineConfig(cpu_decode="fast")
+    runner = ModelRunner(Llama.from_params(CFG, random_params(CFG), dtype=jnp.bfloat16))
+    with pytest.raises(ValueError, match="cpu_decode='native' is unavailable: the model dtype is bfloat16"):
+        Engine(runner, AdapterRegistry(CFG, 0), EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64,
+                                                              cpu_decode="native"))
+    eng = Engine(runner, AdapterRegistry(CFG, 0), EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64))
+    assert eng.native is None                              # auto: bfloat16 stays on the XLA path
