@@ -3,7 +3,7 @@ row, base weights) run as pallas_kernels.cpu's XLA FFI calls on weights packed o
 
     why = unsupported_reason(cfg, dtype, mesh)        "" when the native step can serve this model here
     native = pack(model)                              NativeWeights (a pytree: pass it to paged_step)
-    logits, cache = decode_logits(model, native, tokens, batch, cache)
+    logits, greedy, cache = decode_logits(model, native, tokens, batch, cache)
 
 It serves the decode calls that run on base weights alone: every decode call of a PreFT ("prefill"
 mode) or base engine. Prefill chunks, all-token adapter decode, meshes and bfloat16 stay on the XLA
@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import cpu
 from preft_jax.config import ModelConfig
-from preft_jax.model import rms_norm
 from preft_jax.paged_kv import PagedBatch, PagedKVCache
 
 CPU_DECODE = ("auto", "native", "xla")      # EngineConfig.cpu_decode
@@ -54,13 +53,14 @@ def pack(model) -> NativeWeights:
 
 def decode_logits(model, native: NativeWeights, tokens, batch: PagedBatch, cache: PagedKVCache):
     """tokens int [R, 1] at positions batch.context_lens (one per row, base weights) -> (logits [R, V]
-    float32, cache with their K/V written). The contract of `paged_forward` for C == 1, no bank."""
+    float32, greedy int32 [R] (their argmax), cache with the tokens' K/V written): the contract of
+    `paged_forward` for C == 1 without a bank."""
     cfg = model.cfg
     if tokens.shape[1] != 1:
         raise ValueError(f"the native decode step takes one token per row, got chunks of {tokens.shape[1]}")
     h = model.embed[...][tokens[:, 0]].astype(jnp.float32)
-    h, k, v = cpu.decode_layers(h, batch.block_tables, batch.context_lens, batch.chunk_lens,
-                                batch.write_index[:, 0], jnp.asarray(model._inv_freq, jnp.float32), native.layers,
-                                cache.k, cache.v, cfg.rms_eps)
-    h = rms_norm(h, model.final_norm[...], cfg.rms_eps)
-    return cpu.packed_matmul(h, native.lm_head, native.vocab_size), PagedKVCache(k, v)
+    logits, greedy, k, v = cpu.decode_step(
+        h, batch.block_tables, batch.context_lens, batch.chunk_lens, batch.write_index[:, 0],
+        jnp.asarray(model._inv_freq, jnp.float32), native.layers, model.final_norm[...], native.lm_head,
+        native.vocab_size, cache.k, cache.v, cfg.rms_eps)
+    return logits, greedy, PagedKVCache(k, v)

@@ -79,14 +79,14 @@ def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache,
         if bank is not None or prompt_logprobs:
             raise ValueError("the native decode step runs base weights without prompt log-probs")
         model = nnx.merge(graphdef, state)
-        logits, cache = native_decode.decode_logits(model, native, tokens, batch, cache)
+        logits, greedy, cache = native_decode.decode_logits(model, native, tokens, batch, cache)
     else:
         model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
         R = tokens.shape[0]
-        logits = model.logits(h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)])
+        logits, greedy = model.logits(h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)]), None
     if isinstance(key, tuple):
         key = row_keys(*key)
-    nxt = sample(logits, key, temperature, top_p, top_k)
+    nxt = sample(logits, key, temperature, top_p, top_k, greedy)
     if not (logprobs or prompt_logprobs or return_logits):
         return nxt, cache
     out = {"tokens": nxt}

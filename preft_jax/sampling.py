@@ -120,9 +120,10 @@ def _threshold_from(desc, lse, top_p, top_k):
     return threshold, fits
 
 
-def sample(logits, key, temperature, top_p, top_k=None):
+def sample(logits, key, temperature, top_p, top_k=None, greedy=None):
     """logits: [B, V] float32; temperature, top_p: [B]; top_k: int [B] or None -> tokens int32 [B].
-    key: one key for the batch, or a key per row (typed key array [B], see `row_keys`).
+    key: one key for the batch, or a key per row (typed key array [B], see `row_keys`). greedy: int
+    [B], argmax(logits) when the caller has it already (the native decode step computes it).
 
     Per-row: temperature 0 is greedy; else softmax(logits / temperature) restricted to the top_k
     tokens (0 = off) and the top_p nucleus (tokens whose logit ties the smallest kept one are kept
@@ -135,7 +136,7 @@ def sample(logits, key, temperature, top_p, top_k=None):
     top_k = jnp.zeros((B,), jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy is None else jnp.asarray(greedy, jnp.int32)
     sampling_rows = temperature > 0.0
 
     def draw():

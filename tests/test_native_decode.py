@@ -79,11 +79,13 @@ def test_decode_step_matches_xla_paged_path(cfg):
     tokens, batch, cache = _random_step(cfg, rng)
     copy = jax.tree.map(jnp.copy, cache)
     want, want_cache = paged_logits(runner.graphdef, runner.state, tokens, batch, copy)
-    got, got_cache = jax.jit(lambda t, b, c: native_decode.decode_logits(model, native, t, b, c))(tokens, batch, cache)
+    got, greedy, got_cache = jax.jit(lambda t, b, c: native_decode.decode_logits(model, native, t, b, c))(
+        tokens, batch, cache)
     real = np.asarray(batch.chunk_lens) > 0
     want, got = np.asarray(want)[real], np.asarray(got)[real]
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
+    np.testing.assert_array_equal(np.asarray(greedy)[real], got.argmax(-1))
     for w, g in ((want_cache.k, got_cache.k), (want_cache.v, got_cache.v)):
         w, g = np.asarray(w), np.asarray(g)
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
@@ -112,7 +114,8 @@ def test_decode_steps_match_float64_recompute():
     for pos in range(P, T):
         w = (blocks[:, pos // BS] * BS + pos % BS)[:, None].astype(np.int32)
         batch = PagedBatch(jnp.asarray(blocks), jnp.full(R, pos, jnp.int32), jnp.ones(R, jnp.int32), jnp.asarray(w))
-        got, cache = step(jnp.asarray(seqs[:, pos:pos + 1]), batch, cache)
+        got, greedy, cache = step(jnp.asarray(seqs[:, pos:pos + 1]), batch, cache)
+        np.testing.assert_array_equal(np.asarray(greedy), np.asarray(got).argmax(-1))
         np.testing.assert_allclose(np.asarray(got), want[:, pos], rtol=1e-4, atol=1e-4 * np.abs(want[:, pos]).max())
         assert (np.asarray(got).argmax(-1) == want[:, pos].argmax(-1)).all()
 
@@ -134,7 +137,7 @@ def test_bad_indices_are_errors_and_leave_the_pool_untouched(bad):
     batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), batch.chunk_lens, jnp.asarray(widx))
     before = np.asarray(cache.k).copy()
     with pytest.raises(Exception, match=match):
-        out, cache2 = native_decode.decode_logits(model, native, tokens, batch, cache)
+        out, _, cache2 = native_decode.decode_logits(model, native, tokens, batch, cache)
         jax.block_until_ready(out)
     np.testing.assert_array_equal(np.asarray(cache.k), before)
 

@@ -4,16 +4,17 @@ because XLA:CPU runs a decode step's small-M matmuls well below this CPU's float
 
     pack_panels(w [..., K, N]) -> [..., P, K, 48]           once, at load (P = ceil(N / 48))
     packed_matmul(x [..., K], w_packed, n) -> [..., n]        e.g. the LM head of a decode step
-    decode_layers(h, block_tables, context_lens, chunk_lens, write_index, inv_freq, weights,
-                  k_pool, v_pool, eps) -> (h, k_pool, v_pool)
+    decode_step(h, block_tables, context_lens, chunk_lens, write_index, inv_freq, weights, final_norm,
+                lm_head, vocab_size, k_pool, v_pool, eps) -> (logits, greedy, k_pool, v_pool)
     packed_matmul_reference(x, w_packed, n)                   plain jnp, the same contract
     available() -> bool; unavailable_reason() -> str
 
-`decode_layers` runs one token per row through every decoder layer of a Llama-family model (RMSNorm,
-q/k/v with optional bias, HF rotate-half RoPE, GQA attention over a paged pool, SwiGLU MLP), writing
+`decode_step` runs one token per row through every decoder layer of a Llama-family model (RMSNorm,
+q/k/v with optional bias, HF rotate-half RoPE, GQA attention over a paged pool, SwiGLU MLP) and the
+final norm and LM head (logits and each row's greedy token), writing
 each row's new K/V at its flat pool index (`write_index` >= pool size: dropped, a padding row), with
 the semantics of preft_jax's paged "gather" path: every row reads the pool before the layer's new K/V
-are written. `chunk_lens[r] == 0` marks a padding row (no attention; its output is unspecified).
+are written. `chunk_lens[r] == 0` marks a padding row (no attention; its logits are unspecified).
 `weights` (see `pack_decoder`): attn_norm, mlp_norm [L, d]; w_qkv [L, P, d, 48] (q|k|v columns);
 b_qkv [L, n_q + 2 n_kv]; w_o [L, P, q_dim, 48]; w_gu [L, P, d, 48] (gate|up columns); w_down
 [L, P, ffn, 48]. The pools [L, KV, NB, bs, hd] are aliased to the outputs (donate them). A block
@@ -91,7 +92,7 @@ def packed_matmul_reference(x, w_packed, n: int):
 
 def pack_decoder(p: dict) -> dict:
     """Stacked layer weights (preft_jax layout: wq [L, d, q_dim], ..., w_down [L, ffn, d], norms [L, d],
-    optional bq/bk/bv [L, n]) -> the packed `weights` of decode_layers."""
+    optional bq/bk/bv [L, n]) -> the packed `weights` of decode_step."""
     L = p["wq"].shape[0]
     qkv = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=-1).astype(jnp.float32)
     bias = [p.get(b, jnp.zeros((L, p[w].shape[-1]), jnp.float32)) for b, w in (("bq", "wq"), ("bk", "wk"), ("bv", "wv"))]
@@ -101,20 +102,25 @@ def pack_decoder(p: dict) -> dict:
             "w_down": pack_panels(p["w_down"])}
 
 
-def decode_layers(h, block_tables, context_lens, chunk_lens, write_index, inv_freq, weights: dict, k_pool, v_pool,
-                  eps: float):
-    """See the module docstring. h [M, d] float32; block_tables int32 [M, nb]; context_lens,
-    chunk_lens, write_index int32 [M]; inv_freq [head_dim // 2]. Returns (h [M, d], k_pool, v_pool)."""
+def decode_step(h, block_tables, context_lens, chunk_lens, write_index, inv_freq, weights: dict, final_norm,
+                lm_head, vocab_size: int, k_pool, v_pool, eps: float):
+    """See the module docstring. h [M, d] float32 (the rows' embedded tokens); block_tables int32
+    [M, nb]; context_lens, chunk_lens, write_index int32 [M]; inv_freq [head_dim // 2]; final_norm
+    [d]; lm_head pack_panels(W [d, V]) with V = vocab_size. Returns (logits [M, V] float32, greedy int32 [M], k_pool,
+    v_pool); greedy[r] is the first maximal logit of row r (a NaN counts as the maximum, as jnp.argmax)."""
     _require()
     missing = set(DECODER_WEIGHTS) - set(weights)
     if missing:
-        raise ValueError(f"decode_layers: missing packed weights {sorted(missing)}")
+        raise ValueError(f"decode_step: missing packed weights {sorted(missing)}")
     if h.dtype != jnp.float32 or k_pool.dtype != jnp.float32 or v_pool.dtype != jnp.float32:
-        raise TypeError(f"decode_layers is float32 only, got h {h.dtype}, pools {k_pool.dtype}/{v_pool.dtype}")
+        raise TypeError(f"decode_step is float32 only, got h {h.dtype}, pools {k_pool.dtype}/{v_pool.dtype}")
+    _check_packed(lm_head, h.shape[-1], vocab_size, "decode_step lm_head")
+    M = h.shape[0]
     i32 = lambda a: jnp.asarray(a, jnp.int32)                                   # noqa: E731
-    out = (jax.ShapeDtypeStruct(h.shape, jnp.float32), jax.ShapeDtypeStruct(k_pool.shape, jnp.float32),
-           jax.ShapeDtypeStruct(v_pool.shape, jnp.float32))
-    call = jax.ffi.ffi_call("preft_decode_layers", out, input_output_aliases={13: 1, 14: 2})
-    return call(h, i32(block_tables), i32(context_lens).reshape(-1), i32(chunk_lens).reshape(-1),
-                i32(write_index).reshape(-1), jnp.asarray(inv_freq, jnp.float32),
-                *(weights[k] for k in DECODER_WEIGHTS), k_pool, v_pool, eps=np.float32(eps))
+    out = (jax.ShapeDtypeStruct((M, vocab_size), jnp.float32), jax.ShapeDtypeStruct((M,), jnp.int32),
+           jax.ShapeDtypeStruct(k_pool.shape, jnp.float32), jax.ShapeDtypeStruct(v_pool.shape, jnp.float32))
+    call = jax.ffi.ffi_call("preft_decode_step", out, input_output_aliases={15: 2, 16: 3})
+    return call(
+        h, i32(block_tables), i32(context_lens).reshape(-1), i32(chunk_lens).reshape(-1),
+        i32(write_index).reshape(-1), jnp.asarray(inv_freq, jnp.float32), *(weights[k] for k in DECODER_WEIGHTS),
+        jnp.asarray(final_norm, jnp.float32), lm_head, k_pool, v_pool, eps=np.float32(eps))

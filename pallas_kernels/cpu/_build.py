@@ -24,7 +24,7 @@ import jaxlib
 
 log = logging.getLogger("pallas_kernels.cpu")
 SOURCE = pathlib.Path(__file__).with_name("decode.cc")
-TARGETS = {"preft_packed_matmul": "PreftPackedMatmul", "preft_decode_layers": "PreftDecodeLayers"}
+TARGETS = {"preft_packed_matmul": "PreftPackedMatmul", "preft_decode_step": "PreftDecodeStep"}
 _lock = threading.Lock()
 
 

@@ -1,7 +1,8 @@
 // Native CPU decode for float32 Llama-family models, as XLA FFI handlers (see pallas_kernels/cpu).
 //
 //   PreftPackedMatmul   y [M, N] = x [M, K] @ W, W packed in column panels [P, K, 48]
-//   PreftDecodeLayers   one token per row through every decoder layer over a paged KV pool
+//   PreftDecodeStep     one token per row through every decoder layer over a paged KV pool, then
+//                       the final norm and LM head: logits [M, V] and each row's argmax
 //
 // Weights are packed once (pack_panels in decode.py): panel p holds columns [48p, 48p + 48) of
 // W [K, N] as K contiguous rows of 48 floats (zero-padded past N), so a GEMM streams each panel
@@ -9,6 +10,9 @@
 // are split across threads (OpenMP). The code is plain C++ with GCC vector extensions: AVX-512
 // machines get 16-lane vectors, others the compiler's split of them.
 #include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -62,19 +66,126 @@ inline void Tile(const float* A, int64_t lda, const float* panel, int64_t K, flo
   }
 }
 
-// C [M, N] (+)= A [M, K] @ packed W [P, K, 48]. A's rows must be readable up to a multiple of 8
-// (callers pass buffers padded to that; the padding rows are never written back).
-void Gemm(const float* A, int64_t M, int64_t K, const float* W, int64_t N, float* C, bool accumulate) {
-  const int64_t P = (N + kNR - 1) / kNR;
-  const int64_t tiles = std::min<int64_t>((M + kMR - 1) / kMR, 4);   // tiles that prefetch the next panel
-  const int64_t pf_step = kNR / tiles;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < P; ++p) {
-    const float* panel = W + p * K * kNR;
-    const int64_t nvalid = std::min(kNR, N - p * kNR);
-    for (int64_t m = 0, t = 0; m < M; m += kMR, ++t) {
-      const float* pf = (p + 1 < P && t < tiles) ? panel + K * kNR + t * K * pf_step : nullptr;
-      Tile(A + m * K, K, panel, K, C + m * N + p * kNR, N, std::min(kMR, M - m), nvalid, accumulate, pf, pf_step);
+// A packed weight matrix [P, K, 48] holding N columns.
+struct Packed {
+  const float* w = nullptr;
+  int64_t K = 0, N = 0;
+  int64_t panels() const { return (N + kNR - 1) / kNR; }
+};
+
+// C [M, N] (+)= A [M, K] @ W. A's rows must be readable up to a multiple of 8 (callers pass buffers
+// padded to that; the padding rows are never written back). Each thread takes a contiguous range of
+// panels; while it works on one panel its tiles prefetch its next, and on its last panel, the first
+// of its range in `next` (the GEMM that follows, if any): the weight stream never stalls on DRAM.
+void Gemm(const float* A, int64_t M, Packed W, float* C, bool accumulate, Packed next = Packed()) {
+  const int64_t P = W.panels(), K = W.K, N = W.N;
+  const int64_t tiles = std::min<int64_t>((M + kMR - 1) / kMR, 4);   // tiles that prefetch
+#pragma omp parallel
+  {
+    const int64_t T = omp_get_num_threads(), th = omp_get_thread_num();
+    const int64_t p0 = P * th / T, p1 = P * (th + 1) / T;
+    const int64_t q0 = next.w ? next.panels() * th / T : 0;
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = W.w + p * K * kNR;
+      const float* ahead = nullptr;                   // the panel to pull in while this one runs
+      int64_t ahead_floats = 0;
+      if (p + 1 < p1) {
+        ahead = panel + K * kNR, ahead_floats = K * kNR;
+      } else if (next.w && q0 < next.panels()) {
+        ahead = next.w + q0 * next.K * kNR, ahead_floats = next.K * kNR;
+      }
+      const int64_t pf_step = ahead ? ((ahead_floats + tiles * K - 1) / (tiles * K) + 15) / 16 * 16 : 0;
+      const int64_t nvalid = std::min(kNR, N - p * kNR);
+      for (int64_t m = 0, t = 0; m < M; m += kMR, ++t) {
+        const float* pf = (ahead && t < tiles) ? ahead + t * K * pf_step : nullptr;
+        Tile(A + m * K, K, panel, K, C + m * N + p * kNR, N, std::min(kMR, M - m), nvalid, accumulate, pf, pf_step);
+      }
+    }
+  }
+}
+
+
+// exp on 16 lanes: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (two-part ln 2), p of degree 6
+// (relative error ~1e-7 on [-ln2/2, ln2/2]); x clamped to [-87, 88].
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+inline v16 VecExp(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  const float shifter = 12582912.0f;                       // 1.5 * 2^23: adding it rounds to an integer
+  const v16 t = x * 1.44269504088896341f + shifter;
+  const v16 n = t - shifter;
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = 1.0f / 720 + r * 0.0f;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16i bits = (reinterpret_cast<const v16i&>(t) - 0x4B400000 + 127) << 23;
+  return p * reinterpret_cast<const v16&>(bits);
+}
+
+// out[i] = silu(g[i]) * u[i]
+void SiluMul(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 gv = load(g + i);
+    store(out + i, gv / (1.0f + VecExp(-gv)) * load(u + i));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+inline float HSum(v16 v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(v));
+#else
+  float t = 0.f;
+  for (int i = 0; i < 16; ++i) t += v[i];
+  return t;
+#endif
+}
+
+// One query head over n tokens (keys[t], vals[t]: hd floats each): softmax(q k / sqrt(hd)) v -> out.
+// s: scratch of n + 16 floats.
+void AttendHead(const float* q, const float* const* keys, const float* const* vals, int64_t n, int64_t hd,
+                float scale, float* s, float* out) {
+  const bool vec = hd % 16 == 0 && hd <= 256;
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = keys[t];
+    float dot = 0.f;
+    if (vec) {
+      v16 acc = v16{};
+      for (int64_t i = 0; i < hd; i += 16) acc += load(q + i) * load(k + i);
+      dot = HSum(acc);
+    } else {
+      for (int64_t i = 0; i < hd; ++i) dot += q[i] * k[i];
+    }
+    s[t] = dot * scale;
+    mx = std::max(mx, s[t]);
+  }
+  float sum = 0.f;
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) store(s + t, VecExp(load(s + t) - mx));
+  for (; t < n; ++t) s[t] = std::exp(s[t] - mx);
+  for (t = 0; t < n; ++t) sum += s[t];
+  const float inv = 1.0f / sum;
+  if (vec) {
+    v16 acc[16];
+    const int64_t nv = hd / 16;
+    for (int64_t j = 0; j < nv; ++j) acc[j] = v16{};
+    for (t = 0; t < n; ++t) {
+      const float p = s[t] * inv;
+      const float* v = vals[t];
+      for (int64_t j = 0; j < nv; ++j) acc[j] += p * load(v + 16 * j);
+    }
+    for (int64_t j = 0; j < nv; ++j) store(out + 16 * j, acc[j]);
+  } else {
+    std::fill(out, out + hd, 0.f);
+    for (t = 0; t < n; ++t) {
+      const float p = s[t] * inv;
+      for (int64_t i = 0; i < hd; ++i) out[i] += p * vals[t][i];
     }
   }
 }
@@ -118,18 +229,19 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::R
   if (M == 0 || N == 0) return ffi::Error::Success();
   std::vector<float> a(Pad8(M) * K, 0.f);
   std::memcpy(a.data(), x.typed_data(), sizeof(float) * M * K);
-  Gemm(a.data(), M, K, w.typed_data(), N, y->typed_data(), false);
+  Gemm(a.data(), M, Packed{w.typed_data(), K, N}, y->typed_data(), false);
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeLayers(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_tables,
+ffi::Error DecodeStep(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_tables,
                         ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> chunk_lens,
                         ffi::Buffer<ffi::S32> write_index, ffi::Buffer<ffi::F32> inv_freq,
                         ffi::Buffer<ffi::F32> attn_norm, ffi::Buffer<ffi::F32> mlp_norm, ffi::Buffer<ffi::F32> w_qkv,
                         ffi::Buffer<ffi::F32> b_qkv, ffi::Buffer<ffi::F32> w_o, ffi::Buffer<ffi::F32> w_gu,
-                        ffi::Buffer<ffi::F32> w_down, ffi::Buffer<ffi::F32> k_in, ffi::Buffer<ffi::F32> v_in,
-                        ffi::ResultBuffer<ffi::F32> h_out, ffi::ResultBuffer<ffi::F32> k_out,
-                        ffi::ResultBuffer<ffi::F32> v_out, float eps) {
+                        ffi::Buffer<ffi::F32> w_down, ffi::Buffer<ffi::F32> final_norm,
+                        ffi::Buffer<ffi::F32> lm_head, ffi::Buffer<ffi::F32> k_in, ffi::Buffer<ffi::F32> v_in,
+                        ffi::ResultBuffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> greedy,
+                        ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out, float eps) {
   // ---- shapes ----------------------------------------------------------------------------------
   auto hd_ = h_in.dimensions();
   auto kd = k_in.dimensions();
@@ -160,6 +272,13 @@ ffi::Error DecodeLayers(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_
   auto od = w_o.dimensions();
   if (od.size() != 4 || od[0] != D.L || od[2] != qdim || od[1] != (D.d + kNR - 1) / kNR) return Fail("w_o must be [L, P, q_dim, 48]");
   if (attn_norm.element_count() != D.L * D.d || mlp_norm.element_count() != D.L * D.d) return Fail("norms must be [L, d]");
+  if (final_norm.element_count() != D.d) return Fail("final_norm must be [d]");
+  auto ld = lm_head.dimensions();
+  auto lgd = logits->dimensions();
+  const int64_t V = lgd.size() == 2 ? lgd[1] : -1;
+  if (ld.size() != 3 || ld[1] != D.d || ld[2] != kNR || lgd.size() != 2 || lgd[0] != D.M ||
+      (V + kNR - 1) / kNR != ld[0] || greedy->element_count() != D.M)
+    return Fail("lm_head must be [P, d, 48] packing the logits' [M, V] columns");
 
   // ---- per-row checks: a bad index is an error, never a stray read or write --------------------
   const int32_t* bt = block_tables.typed_data();
@@ -184,7 +303,8 @@ ffi::Error DecodeLayers(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_
   if (vp != v_in.typed_data()) std::memcpy(vp, v_in.typed_data(), sizeof(float) * v_in.element_count());
 
   const int64_t M = D.M, d = D.d, Mp = Pad8(M), half = D.hd / 2, groups = D.H / D.KV;
-  float* h = h_out->typed_data();
+  std::vector<float> hbuf(M * d);
+  float* h = hbuf.data();
   std::memcpy(h, h_in.typed_data(), sizeof(float) * M * d);
   std::vector<float> x(Mp * std::max(d, D.ffn), 0.f), qkv(M * D.nqkv), attn(Mp * qdim, 0.f), gu(M * 2 * D.ffn);
   std::vector<float> cs(M * half), sn(M * half);
@@ -197,10 +317,15 @@ ffi::Error DecodeLayers(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_
   const float scale = 1.0f / std::sqrt(static_cast<float>(D.hd));
   const int64_t max_ctx = D.nb * D.bs + 1;
 
+  auto Wqkv = [&](int64_t l) { return Packed{w_qkv.typed_data() + l * qd[1] * d * kNR, d, D.nqkv}; };
+  auto Wo = [&](int64_t l) { return Packed{w_o.typed_data() + l * od[1] * qdim * kNR, qdim, d}; };
+  auto Wgu = [&](int64_t l) { return Packed{w_gu.typed_data() + l * gd[1] * d * kNR, d, 2 * D.ffn}; };
+  auto Wdown = [&](int64_t l) { return Packed{w_down.typed_data() + l * dd[1] * D.ffn * kNR, D.ffn, d}; };
+  const Packed Whead{lm_head.typed_data(), d, V};
   for (int64_t l = 0; l < D.L; ++l) {
     // attention block
     RmsNorm(h, attn_norm.typed_data() + l * d, M, d, eps, x.data());
-    Gemm(x.data(), M, d, w_qkv.typed_data() + l * qd[1] * d * kNR, D.nqkv, qkv.data(), false);
+    Gemm(x.data(), M, Wqkv(l), qkv.data(), false, Wo(l));
     const float* bias = b_qkv.typed_data() + l * D.nqkv;
     for (int64_t r = 0; r < M; ++r) {
       float* row = qkv.data() + r * D.nqkv;
@@ -210,46 +335,30 @@ ffi::Error DecodeLayers(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_
     const int64_t layer_off = l * D.KV * pool_tokens * D.hd;      // pool [L, KV, NB * bs, hd]
 #pragma omp parallel
     {
-      std::vector<float> s(max_ctx);
+      std::vector<float> s(max_ctx + 16);
+      std::vector<const float*> keys(max_ctx), vals(max_ctx);
 #pragma omp for collapse(2) schedule(static)
       for (int64_t r = 0; r < M; ++r)
         for (int64_t kv = 0; kv < D.KV; ++kv) {
           const float* row = qkv.data() + r * D.nqkv;
-          const float* kn = row + qdim + kv * D.hd;
-          const float* vn = row + qdim + kvdim + kv * D.hd;
+          float* out = attn.data() + r * qdim + kv * groups * D.hd;
+          if (!clen[r]) {
+            std::fill(out, out + groups * D.hd, 0.f);
+            continue;
+          }
+          const int64_t n = ctx[r];
           const float* kbase = kp + layer_off + kv * pool_tokens * D.hd;
           const float* vbase = vp + layer_off + kv * pool_tokens * D.hd;
-          const int64_t n = clen[r] ? ctx[r] : 0;
-          for (int64_t g = 0; g < groups; ++g) {
-            const int64_t head = kv * groups + g;
-            const float* q = row + head * D.hd;
-            float* out = attn.data() + r * qdim + head * D.hd;
-            if (!clen[r]) {
-              std::fill(out, out + D.hd, 0.f);
-              continue;
-            }
-            float mx = -INFINITY;
-            for (int64_t t = 0; t <= n; ++t) {
-              const float* kt = t < n ? kbase + (static_cast<int64_t>(bt[r * D.nb + t / D.bs]) * D.bs + t % D.bs) * D.hd : kn;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t i = 0; i < D.hd; ++i) dot += q[i] * kt[i];
-              s[t] = dot * scale;
-              mx = std::max(mx, s[t]);
-            }
-            float sum = 0.f;
-            for (int64_t t = 0; t <= n; ++t) {
-              s[t] = std::exp(s[t] - mx);
-              sum += s[t];
-            }
-            std::fill(out, out + D.hd, 0.f);
-            for (int64_t t = 0; t <= n; ++t) {
-              const float* vt = t < n ? vbase + (static_cast<int64_t>(bt[r * D.nb + t / D.bs]) * D.bs + t % D.bs) * D.hd : vn;
-              const float p = s[t] / sum;
-#pragma omp simd
-              for (int64_t i = 0; i < D.hd; ++i) out[i] += p * vt[i];
-            }
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t off = (static_cast<int64_t>(bt[r * D.nb + t / D.bs]) * D.bs + t % D.bs) * D.hd;
+            keys[t] = kbase + off;
+            vals[t] = vbase + off;
           }
+          keys[n] = row + qdim + kv * D.hd;                 // the row's own new K/V
+          vals[n] = row + qdim + kvdim + kv * D.hd;
+          for (int64_t g = 0; g < groups; ++g)
+            AttendHead(row + (kv * groups + g) * D.hd, keys.data(), vals.data(), n + 1, D.hd, scale, s.data(),
+                       out + g * D.hd);
         }
     }
     // the new K/V into the pool after every row has read it (as the XLA path's one scatter per step)
@@ -262,16 +371,31 @@ ffi::Error DecodeLayers(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_
         std::memcpy(vp + off, row + qdim + kvdim + kv * D.hd, sizeof(float) * D.hd);
       }
     }
-    Gemm(attn.data(), M, qdim, w_o.typed_data() + l * od[1] * qdim * kNR, d, h, true);
+    Gemm(attn.data(), M, Wo(l), h, true, Wgu(l));
     // MLP block
     RmsNorm(h, mlp_norm.typed_data() + l * d, M, d, eps, x.data());
-    Gemm(x.data(), M, d, w_gu.typed_data() + l * gd[1] * d * kNR, 2 * D.ffn, gu.data(), false);
+    Gemm(x.data(), M, Wgu(l), gu.data(), false, Wdown(l));
     for (int64_t r = 0; r < M; ++r)
-      for (int64_t i = 0; i < D.ffn; ++i) {
-        const float g = gu[r * 2 * D.ffn + i];
-        x[r * D.ffn + i] = g / (1.0f + std::exp(-g)) * gu[r * 2 * D.ffn + D.ffn + i];
-      }
-    Gemm(x.data(), M, D.ffn, w_down.typed_data() + l * dd[1] * D.ffn * kNR, d, h, true);
+      SiluMul(&gu[r * 2 * D.ffn], &gu[r * 2 * D.ffn + D.ffn], D.ffn, &x[r * D.ffn]);
+    Gemm(x.data(), M, Wdown(l), h, true, l + 1 < D.L ? Wqkv(l + 1) : Whead);
+  }
+  // final norm, LM head, and each row's first maximal logit (a NaN counts as the maximum, as jnp.argmax)
+  RmsNorm(h, final_norm.typed_data(), M, d, eps, x.data());
+  float* out = logits->typed_data();
+  Gemm(x.data(), M, Whead, out, false);
+  int32_t* best = greedy->typed_data();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < M; ++r) {
+    const float* row = out + r * V;
+    float mx = row[0];
+    bool nan = false;
+    for (int64_t i = 0; i < V; ++i) {              // vectorized: max and whether a NaN is present
+      mx = row[i] > mx ? row[i] : mx;
+      nan |= row[i] != row[i];
+    }
+    int64_t arg = 0;
+    while (arg < V && !(nan ? row[arg] != row[arg] : row[arg] == mx)) ++arg;
+    best[r] = static_cast<int32_t>(arg);
   }
   return ffi::Error::Success();
 }
@@ -284,7 +408,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PreftPackedMatmul, PackedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PreftDecodeLayers, DecodeLayers,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PreftDecodeStep, DecodeStep,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // h [M, d]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [M, nb]
@@ -299,9 +423,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PreftDecodeLayers, DecodeLayers,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w_o [L, P, q_dim, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w_gu [L, P, d, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w_down [L, P, ffn, 48]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // final_norm [d]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // lm_head [P, d, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k pool
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v pool
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // h out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // logits [M, V]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // greedy [M]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // k pool (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // v pool (aliased)
                                   .Attr<float>("eps"));
