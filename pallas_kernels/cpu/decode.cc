@@ -190,6 +190,31 @@ void AttendHead(const float* q, const float* const* keys, const float* const* va
   }
 }
 
+// The first index of the maximum of x[0, n) (of the first NaN, if any: jnp.argmax's rule).
+int64_t ArgMax(const float* x, int64_t n) {
+  float mx = n ? x[0] : 0.f;
+  bool nan = false;
+  int64_t i = 0;
+  v16 vm = v16{} + mx;
+  v16i vnan = v16i{};
+  for (; i + 16 <= n; i += 16) {
+    const v16 v = load(x + i);
+    vm = v > vm ? v : vm;
+    vnan |= v != v;
+  }
+  for (int j = 0; j < 16; ++j) {
+    mx = vm[j] > mx ? vm[j] : mx;
+    nan |= vnan[j] != 0;
+  }
+  for (; i < n; ++i) {
+    mx = x[i] > mx ? x[i] : mx;
+    nan |= x[i] != x[i];
+  }
+  for (i = 0; i < n; ++i)
+    if (nan ? x[i] != x[i] : x[i] == mx) return i;
+  return 0;
+}
+
 int64_t Pad8(int64_t m) { return (m + kMR - 1) / kMR * kMR; }
 
 void RmsNorm(const float* h, const float* scale, int64_t M, int64_t d, float eps, float* out) {
@@ -204,8 +229,14 @@ void RmsNorm(const float* h, const float* scale, int64_t M, int64_t d, float eps
 }
 
 // x [hd] rotated in place, HF rotate_half layout.
-inline void Rope(float* x, const float* cs, const float* sn, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+inline void Rope(float* __restrict x, const float* __restrict cs, const float* __restrict sn, int64_t half) {
+  int64_t i = 0;
+  for (; i + 16 <= half; i += 16) {
+    const v16 a = load(x + i), b = load(x + i + half), c = load(cs + i), n = load(sn + i);
+    store(x + i, a * c - b * n);
+    store(x + i + half, b * c + a * n);
+  }
+  for (; i < half; ++i) {
     const float a = x[i], b = x[i + half];
     x[i] = a * cs[i] - b * sn[i];
     x[i + half] = b * cs[i] + a * sn[i];
@@ -329,6 +360,7 @@ ffi::Error DecodeStep(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_ta
     const float* bias = b_qkv.typed_data() + l * D.nqkv;
     for (int64_t r = 0; r < M; ++r) {
       float* row = qkv.data() + r * D.nqkv;
+#pragma omp simd
       for (int64_t i = 0; i < D.nqkv; ++i) row[i] += bias[i];
       for (int64_t hh = 0; hh < D.H + D.KV; ++hh) Rope(row + hh * D.hd, &cs[r * half], &sn[r * half], half);
     }
@@ -386,16 +418,7 @@ ffi::Error DecodeStep(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_ta
   int32_t* best = greedy->typed_data();
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < M; ++r) {
-    const float* row = out + r * V;
-    float mx = row[0];
-    bool nan = false;
-    for (int64_t i = 0; i < V; ++i) {              // vectorized: max and whether a NaN is present
-      mx = row[i] > mx ? row[i] : mx;
-      nan |= row[i] != row[i];
-    }
-    int64_t arg = 0;
-    while (arg < V && !(nan ? row[arg] != row[arg] : row[arg] == mx)) ++arg;
-    best[r] = static_cast<int32_t>(arg);
+    best[r] = static_cast<int32_t>(ArgMax(out + r * V, V));
   }
   return ffi::Error::Success();
 }
