@@ -26,8 +26,10 @@ Decode is C == 1 (adapter gather layout); prefill chunks are C > 1 (grouped layo
 per token by the same position policy as everywhere (`token_adapter_index` with absolute positions),
 so a prompt prefilled in chunks is adapted exactly like a whole prompt, and generated tokens of a
 PreFT request run on base weights (their positions are >= the prompt length). `bank=None` compiles
-the plain base model. `native` (a `preft_jax.native_decode.NativeWeights`, decode calls without a
-bank only) runs the decoder layers and the LM head as native CPU calls instead of XLA's.
+the plain base model. `native` (a `preft_jax.native_decode.NativeWeights`: float32, one CPU device)
+runs a decode call without a bank as one native CPU call (layers, LM head, greedy argmax), and any
+other call (prefill chunks, adapted decode) with its base projections as native matmuls while
+adapters, norms and attention stay XLA's.
 """
 from __future__ import annotations
 
@@ -43,13 +45,13 @@ from preft_jax.paged_kv import PagedBatch, PagedKVCache
 from preft_jax.sampling import MAX_TOP_LOGPROBS, row_keys, sample, token_logprobs
 
 
-def _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths):
+def _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths, dense=None):
     model = nnx.merge(graphdef, state)
     ctx = None
     if bank is not None:
         slots = token_adapter_index(bank, adapter_ids, batch.positions, prompt_lengths)
         ctx = model.adapter_context(slots, bank, row_slots=adapter_ids)      # a row is one request
-    h, cache = model.forward_paged(tokens, batch, cache, bank, ctx)
+    h, cache = model.forward_paged(tokens, batch, cache, bank, ctx, dense=dense)
     return model, h, cache
 
 
@@ -75,13 +77,12 @@ def _prompt_logprobs(model, h, next_tokens):
 def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids, prompt_lengths,
                temperature, top_p, top_k, key, next_tokens=None, native=None, *, logprobs: bool = False,
                prompt_logprobs: bool = False, return_logits: bool = False):
-    if native is not None:                                   # a base-weights decode call, natively on CPU
-        if bank is not None or prompt_logprobs:
-            raise ValueError("the native decode step runs base weights without prompt log-probs")
+    if native is not None and bank is None and tokens.shape[1] == 1:   # a base-weights decode call: all native
         model = nnx.merge(graphdef, state)
         logits, greedy, cache = native_decode.decode_logits(model, native, tokens, batch, cache)
-    else:
-        model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
+    else:                                                    # with native weights: native base projections
+        model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths,
+                                  None if native is None else native.layers)
         R = tokens.shape[0]
         logits, greedy = model.logits(h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)]), None
     if isinstance(key, tuple):

@@ -127,7 +127,7 @@ class EngineConfig:
     min_chunk: int = 16                  # smallest prefill chunk bucket
     num_scheduler_steps: int = 4         # decode calls per step when nothing waits (pipelined, see _run_decode)
     warmup_logprobs: bool = False        # warmup() also compiles the log-probability variants (else: on first use)
-    cpu_decode: str = "auto"             # base-weight decode calls: "native" (CPU FFI step), "xla", or "auto"
+    cpu_decode: str = "auto"             # CPU float32: "native" (FFI decode step + native projections), "xla", "auto"
 
     def __post_init__(self):
         if self.mode not in ("prefill", "all"):
@@ -243,13 +243,13 @@ class Engine:
         return jax.jit(lambda: PagedKVCache.create(cfg, nb, bs, dt), out_shardings=self.cache_shardings)()
 
     def _native_weights(self):
-        """The packed weights of the native CPU decode step (preft_jax.native_decode), or None: "auto"
-        takes it where it can serve (one CPU device, float32, the library builds), "native" requires it."""
+        """The packed weights of the native CPU path (preft_jax.native_decode), or None: "auto" takes
+        it where it can serve (one CPU device, float32, the library builds), "native" requires it.
+        With them, base-weight decode calls run as one native call, and every other call (prefill
+        chunks, all-token decode) runs its base projections as native matmuls."""
         choice = self.config.cpu_decode
         if choice == "xla":
             return None
-        if self.config.mode == "all" and self.registry.bank is not None:
-            return None                            # every decode call applies the rows' adapters
         why = (f"the default backend is {jax.default_backend()}" if jax.default_backend() != "cpu"
                else native_decode.unsupported_reason(self.runner.cfg, self.runner.dtype, self.mesh))
         if why:
@@ -584,7 +584,7 @@ class Engine:
             return
         tokens, batch, ids, plen, samp, flags, next_tokens = arrays
         try:
-            out = self._call(tokens, batch, self.registry.bank, ids, plen, samp, flags, next_tokens)
+            out = self._call(tokens, batch, self.registry.bank, ids, plen, samp, flags, next_tokens, self.native)
             host = _to_host(out)
         except Exception:  # noqa: BLE001
             ids_ = [ch.seq.req.request_id for ch in chunks]
@@ -703,11 +703,10 @@ class Engine:
         return self._call_decode(tokens, batch, ids, plen, samp, logprobs)
 
     def _call_decode(self, tokens, batch, ids, plen, samp, logprobs: bool):
-        """One decode call: with each row's adapter in mode "all"; else on base weights, natively on
-        CPU where the engine packed weights for it (`self.native`)."""
+        """One decode call: with each row's adapter in mode "all", else on base weights (one native
+        CPU call where the engine packed weights for it, `self.native`)."""
         bank = self.registry.bank if self.config.mode == "all" else None
-        return self._call(tokens, batch, bank, ids, plen, samp, (logprobs, False, False), None,
-                          self.native if bank is None else None)
+        return self._call(tokens, batch, bank, ids, plen, samp, (logprobs, False, False), None, self.native)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]):
         """Device copies of shared partial blocks (copy-on-write), padded to one shape (0 -> 0)."""

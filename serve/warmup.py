@@ -47,7 +47,7 @@ def warmup_tasks(engine: "Engine") -> list[Task]:
                                jnp.full((P, C), drop, jnp.int32), "gather")
             out = engine._call(np.zeros((P, C), np.int32), batch, bank, np.zeros(P, np.int32), np.ones(P, np.int32),
                                engine._sampling_rows([], P), (lp, plp, True),
-                               np.zeros((P, C), np.int32) if plp else None)
+                               np.zeros((P, C), np.int32) if plp else None, engine.native)
             logits[P] = jax.block_until_ready(out["logits"])
         return run
 

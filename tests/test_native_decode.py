@@ -65,7 +65,7 @@ def _random_step(cfg, rng, R=11, NB=30, BS=4, nb=6):
     clen = np.ones(R, np.int32)
     widx = ((NB - R + np.arange(R)) * BS + rng.integers(0, BS, R)).astype(np.int32)[:, None]
     clen[3], widx[3] = 0, NB * BS            # a padding row
-    widx[5] = NB * BS                        # a dropped write
+    widx[min(5, R - 1)] = NB * BS            # a dropped write
     tokens = rng.integers(0, cfg.vocab_size, (R, 1)).astype(np.int32)
     return jnp.asarray(tokens), PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx)), cache
 
@@ -142,16 +142,61 @@ def test_bad_indices_are_errors_and_leave_the_pool_untouched(bad):
     np.testing.assert_array_equal(np.asarray(cache.k), before)
 
 
-def test_paged_step_refuses_native_with_a_bank_or_chunks():
+@pytest.mark.parametrize("cfg", [CFG, BIASED], ids=["tied", "bias-untied-odd-dims"])
+@pytest.mark.parametrize("with_bank", [False, True])
+def test_native_projections_in_prefill_chunks_match_xla(cfg, with_bank):
+    """Chunks (C > 1) with native weights: the XLA forward with its base projections as native
+    matmuls read in place by layer; with a bank, the adapters' deltas on top (mode "all")."""
+    from adapter_factory import random_lora, random_reft
+    from preft_jax.adapters.bank import build_bank
+    from preft_jax.adapters.config import PositionPolicy
+    model, _ = _model(cfg)
+    runner = ModelRunner(model)
+    native = native_decode.pack(model)
+    rng = np.random.default_rng(7)
+    _, batch, cache = _random_step(cfg, rng, R=4)
+    C = 5
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, C)), jnp.int32)
+    widx = np.full((4, C), cache.k.shape[2] * cache.k.shape[3], np.int32)        # dropped past the chunk
+    widx[:, :3] = (np.arange(12).reshape(4, 3) + (cache.k.shape[2] - 4) * cache.k.shape[3]).astype(np.int32)
+    ctx = np.minimum(np.asarray(batch.context_lens), batch.block_tables.shape[1] * 4 - C)
+    batch = PagedBatch(batch.block_tables, jnp.asarray(ctx), jnp.asarray([3, 3, 2, 0], jnp.int32), jnp.asarray(widx))
+    bank = ids = plens = None
+    if with_bank:
+        pol = PositionPolicy(mode="all")
+        bank = build_bank(cfg, [random_lora(cfg, 1, policy=pol, targets=("q", "v", "o", "up")),
+                                random_reft(cfg, 2, policy=pol)])
+        ids, plens = jnp.asarray([1, 2, 0, 1], jnp.int32), jnp.full(4, 100, jnp.int32)
+    want, want_cache = paged_logits(runner.graphdef, runner.state, tokens, batch, jax.tree.map(jnp.copy, cache),
+                                    bank, ids, plens)
+    R = tokens.shape[0]
+    samp = (jnp.zeros(R), jnp.ones(R), jnp.zeros(R, jnp.int32), jax.random.PRNGKey(0))
+    out, got_cache = paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids,
+                                jnp.ones(R, jnp.int32) if plens is None else plens, *samp, None, native,
+                                return_logits=True)
+    real = np.asarray(batch.chunk_lens) > 0
+    want, got = np.asarray(want)[real], np.asarray(out["logits"])[real]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(want_cache.k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_cache.v), np.asarray(want_cache.v), rtol=1e-5, atol=1e-5)
+
+
+def test_native_projections_are_native_calls():
+    """The native path's prefill program reads the packed stacks through the custom call, and no
+    longer scans over (copies slices of) the float32 projection weights."""
     model, _ = _model(CFG)
     runner = ModelRunner(model)
     native = native_decode.pack(model)
-    tokens, batch, cache = _random_step(CFG, np.random.default_rng(6))
-    R = tokens.shape[0]
+    _, batch, cache = _random_step(CFG, np.random.default_rng(8), R=4)
+    tokens = jnp.zeros((4, 3), jnp.int32)
+    batch = PagedBatch(batch.block_tables, batch.context_lens % 8, jnp.full(4, 3, jnp.int32),
+                       jnp.full((4, 3), 10_000, jnp.int32))
+    R = 4
     samp = (jnp.zeros(R), jnp.ones(R), jnp.zeros(R, jnp.int32), jax.random.PRNGKey(0))
-    with pytest.raises(ValueError, match="one token per row"):
-        paged_step(runner.graphdef, runner.state, jnp.concatenate([tokens, tokens], 1), batch, cache, None, None,
-                   jnp.ones(R, jnp.int32), *samp, None, native)
+    text = paged_step.lower(runner.graphdef, runner.state, tokens, batch, cache, None, None, jnp.ones(R, jnp.int32),
+                            *samp, None, native).as_text()
+    assert text.count("preft_packed_matmul") == 4                    # qkv, o, gate|up, down in the layer body
+    assert "preft_decode_step" not in text
 
 
 def test_unsupported_reasons():
@@ -183,18 +228,15 @@ def _engine_outputs(cpu_decode, mode):
     return eng, [list(r.tokens) for r in reqs]
 
 
-def test_engine_outputs_native_equal_xla():
-    """PreFT mode: mixed adapters and base requests, preemption forced; every decode call native."""
-    eng_n, native = _engine_outputs("native", "prefill")
-    eng_x, xla = _engine_outputs("xla", "prefill")
+@pytest.mark.parametrize("mode", ["prefill", "all"])
+def test_engine_outputs_native_equal_xla(mode):
+    """Mixed adapters and base requests, preemption forced. PreFT: every decode call one native call;
+    both modes: prefill chunks (and all-token decode) with native base projections."""
+    eng_n, native = _engine_outputs("native", mode)
+    eng_x, xla = _engine_outputs("xla", mode)
     assert eng_n.native is not None and eng_x.native is None
     assert eng_n.scheduler.preemptions > 0                  # the small pool did force recompute
     assert native == xla
-
-
-def test_all_token_engine_keeps_xla_decode():
-    eng, _ = _engine_outputs("auto", "all")
-    assert eng.native is None                               # its decode calls apply the rows' adapters
 
 
 def test_engine_cpu_decode_choice():

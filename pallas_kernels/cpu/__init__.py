@@ -3,10 +3,11 @@ because XLA:CPU runs a decode step's small-M matmuls well below this CPU's float
 (docs/benchmarks.md, section 1).
 
     pack_panels(w [..., K, N]) -> [..., P, K, 48]           once, at load (P = ceil(N / 48))
-    packed_matmul(x [..., K], w_packed, n) -> [..., n]        e.g. the LM head of a decode step
+    packed_matmul(x [..., K], w_packed, n, layer=None) -> [..., n]   one matrix, or layer `layer` of a
+                                                              stack read in place (prefill projections)
     decode_step(h, block_tables, context_lens, chunk_lens, write_index, inv_freq, weights, final_norm,
                 lm_head, vocab_size, k_pool, v_pool, eps) -> (logits, greedy, k_pool, v_pool)
-    packed_matmul_reference(x, w_packed, n)                   plain jnp, the same contract
+    packed_matmul_reference(x, w_packed, n, layer=None)       plain jnp, the same contract
     available() -> bool; unavailable_reason() -> str
 
 `decode_step` runs one token per row through every decoder layer of a Llama-family model (RMSNorm,
@@ -69,22 +70,28 @@ def _check_packed(wp, K, n, what):
                          f"{wp.dtype}{list(wp.shape)}")
 
 
-def packed_matmul(x, w_packed, n: int):
-    """x [..., K] float32 @ W [K, n] (given as pack_panels(W)) -> [..., n] float32."""
+def packed_matmul(x, w_packed, n: int, layer=None):
+    """x [..., K] float32 @ W [K, n] (given as pack_panels(W) [P, K, 48]) -> [..., n] float32. With
+    `layer` (an int32 scalar, e.g. a scan's index), w_packed is a stack [L, P, K, 48] and W is its
+    matrix `layer`, read in place (no copy of the layer's slice); out of [0, L) is a run-time error."""
     _require()
     if x.dtype != jnp.float32:
         raise TypeError(f"packed_matmul is float32 only, got {x.dtype}")
     K = x.shape[-1]
     _check_packed(w_packed, K, n, "packed_matmul")
-    if w_packed.ndim != 3:
-        raise ValueError(f"packed_matmul takes one packed matrix [P, K, {PANEL}], got {w_packed.shape}")
+    if w_packed.ndim != (3 if layer is None else 4):
+        raise ValueError(f"packed_matmul takes one packed matrix [P, K, {PANEL}] (or a stack [L, P, K, {PANEL}] "
+                         f"with a layer), got {w_packed.shape} and layer={layer!r}")
     x2 = x.reshape(-1, K)
-    y = jax.ffi.ffi_call("preft_packed_matmul", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(x2, w_packed)
+    y = jax.ffi.ffi_call("preft_packed_matmul", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(
+        x2, w_packed, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()))
     return y.reshape(*x.shape[:-1], n)
 
 
-def packed_matmul_reference(x, w_packed, n: int):
+def packed_matmul_reference(x, w_packed, n: int, layer=None):
     """The same contract in plain jnp: unpack, then a float32 matmul at highest precision."""
+    if layer is not None:
+        w_packed = jax.lax.dynamic_index_in_dim(w_packed, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
     P, K, _ = w_packed.shape
     w = jnp.swapaxes(w_packed, 0, 1).reshape(K, P * PANEL)[:, :n]
     return jnp.einsum("...k,kn->...n", x, w, precision=jax.lax.Precision.HIGHEST)

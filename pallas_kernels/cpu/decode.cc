@@ -1,6 +1,6 @@
 // Native CPU decode for float32 Llama-family models, as XLA FFI handlers (see pallas_kernels/cpu).
 //
-//   PreftPackedMatmul   y [M, N] = x [M, K] @ W, W packed in column panels [P, K, 48]
+//   PreftPackedMatmul   y [M, N] = x [M, K] @ W (or W[layer] of a stack), W packed in column panels [P, K, 48]
 //   PreftDecodeStep     one token per row through every decoder layer over a paged KV pool, then
 //                       the final norm and LM head: logits [M, V] and each row's argmax
 //
@@ -249,18 +249,28 @@ struct Dims {
 
 ffi::Error Fail(const std::string& msg) { return ffi::Error::InvalidArgument("preft native decode: " + msg); }
 
-ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+// y [M, N] = x [M, K] @ w[layer], w [L, P, K, 48] (or one matrix [P, K, 48], layer 0) read in place.
+ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kNR || yd.size() != 2)
-    return Fail("packed_matmul expects x [M, K], w [P, K, 48] and y [M, N]");
-  const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (wd[1] != K || yd[0] != M || (N + kNR - 1) / kNR != wd[0]) return Fail("packed_matmul: shapes disagree");
+  const size_t r = wd.size();
+  if (xd.size() != 2 || (r != 3 && r != 4) || wd[r - 1] != kNR || yd.size() != 2 || layer.element_count() != 1)
+    return Fail("packed_matmul expects x [M, K], w [(L,) P, K, 48], a scalar layer and y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1], L = r == 4 ? wd[0] : 1;
+  if (wd[r - 2] != K || yd[0] != M || (N + kNR - 1) / kNR != wd[r - 3]) return Fail("packed_matmul: shapes disagree");
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return Fail("packed_matmul: layer index out of range");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  std::vector<float> a(Pad8(M) * K, 0.f);
-  std::memcpy(a.data(), x.typed_data(), sizeof(float) * M * K);
-  Gemm(a.data(), M, Packed{w.typed_data(), K, N}, y->typed_data(), false);
+  const float* a = x.typed_data();
+  std::vector<float> padded;
+  if (M % kMR) {                                  // the last tile reads 8 rows
+    padded.assign(Pad8(M) * K, 0.f);
+    std::memcpy(padded.data(), a, sizeof(float) * M * K);
+    a = padded.data();
+  }
+  Gemm(a, M, Packed{w.typed_data() + l * wd[r - 3] * K * kNR, K, N}, y->typed_data(), false);
   return ffi::Error::Success();
 }
 
@@ -429,6 +439,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PreftPackedMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PreftDecodeStep, DecodeStep,
