@@ -172,6 +172,7 @@ def cmd_server(args) -> int:
                            max_prefill_seqs=args.max_prefill_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                            kv_cache_memory=args.kv_cache_memory, enable_prefix_cache=not args.no_prefix_cache,
+                           cpu_decode=args.cpu_decode,
                            max_queued=args.max_queued, request_timeout=args.request_timeout or None,
                            warmup_logprobs=args.warmup_logprobs)
     warmup = "none" if args.no_warmup else args.warmup
@@ -244,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size in tokens (default: max-num-seqs x max-model-len)")
     s.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes (instead of tokens)")
     s.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    s.add_argument("--cpu-decode", choices=("auto", "native", "xla"), default="auto",
+                   help="on one CPU device in float32: native = the native decode step and native base "
+                        "projections (pallas_kernels.cpu), xla = XLA:CPU for everything; auto = native where "
+                        "its library builds")
     s.add_argument("--max-device-adapters", "--capacity", dest="max_device_adapters", type=int, default=16,
                    help="device adapter bank slots (PreFT holds one only during a request's prefill)")
     s.add_argument("--adapter-dir", default=None,
