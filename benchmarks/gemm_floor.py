@@ -17,6 +17,9 @@ Variants, round-robin, median (min-max) ms per step over the repeats:
   jax scan q4_1   the scan over weights stored as ggml Q4_1 blocks (4-bit codes in uint8 + float32 scale and
                   min per 32 inputs, the embedded GGUF's format), dequantized exactly inside the scan: the
                   same float32 products on the decoded values, a third of the weight bytes
+  native packed   pallas_kernels.cpu.packed_matmul inside the jax scan: each matmul one FFI call on weights
+                  packed once into 48-column panels, read in place by layer index (preft_jax's native
+                  CPU path for prefill chunks; its decode step fuses the whole layer stack into one call)
   mkl in place    Intel MKL cblas_sgemm (ctypes) on each layer's weights read in place from the stacked
                   arrays, elementwise work in numpy: a tuned float32 BLAS with no weight copies. Only
                   when libmkl_rt is found (the `mkl` wheel under sys.prefix/lib, or $PREFT_BLAS_LIB).
@@ -129,6 +132,28 @@ def mkl_step_fn(w, emb, x):
     return step
 
 
+def native_step_fn(w, emb, x):
+    """The matmul chain through pallas_kernels.cpu.packed_matmul (None where the library cannot build)."""
+    from pallas_kernels import cpu
+    if not cpu.available():
+        print(f"# native packed: skipped ({cpu.unavailable_reason()})")
+        return None
+    pw = {k: cpu.pack_panels(jnp.asarray(v)) for k, v in w.items()}
+    pe, jx = cpu.pack_panels(jnp.asarray(emb).T), jnp.asarray(x)
+
+    @jax.jit
+    def step(x, pw, pe):
+        def body(h, i):
+            mm = lambda a, k: cpu.packed_matmul(a, pw[k], SHAPES[k][1], i)        # noqa: E731
+            a = (mm(h, "wq") + jnp.tile(mm(h, "wk"), (1, 3)) + jnp.tile(mm(h, "wv"), (1, 3))) * 0.01
+            h = h + mm(a, "wo")
+            return h + mm(jax.nn.silu(mm(h, "g")) * mm(h, "u"), "dn"), None
+        h, _ = jax.lax.scan(body, x, jnp.arange(L, dtype=jnp.int32))
+        return jnp.argmax(cpu.packed_matmul(h, pe, V), -1)
+
+    return lambda: step(jx, pw, pe).block_until_ready()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=32)
@@ -170,6 +195,9 @@ def main(argv=None) -> int:
                 "jax scan pipelined": lambda: jax_scan_pipelined(jx, jw, jemb).block_until_ready(),
                 "jax scan q4_1": lambda: jax_scan_q4_1(jx, jq, jemb).block_until_ready(),
                 "torch f32": torch_step, "torch f32 bf16-math": torch_medium}
+    native = native_step_fn(w, emb, x)
+    if native is not None:
+        variants["native packed"] = native
     mkl = mkl_step_fn(w, emb, x)
     if mkl is None:
         print("# mkl in place: skipped (no libmkl_rt: pip install mkl, or set PREFT_BLAS_LIB)")

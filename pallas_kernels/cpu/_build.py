@@ -3,7 +3,8 @@ its XLA FFI handlers with jax.
 
 The library is built with the C++ compiler (`CXX`, default g++; -O3 -march=native -fopenmp) against
 jaxlib's XLA FFI headers into a cache directory keyed by the source, the jaxlib version and this
-CPU's model and instruction-set flags ($PREFT_JAX_CACHE or ~/.cache/preft_jax, /cpu_native/<key>/),
+CPU's model and instruction-set flags (<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's:
+$PREFT_JAX_CACHE_DIR, else $XDG_CACHE_HOME/preft_jax, else ~/.cache/preft_jax),
 so a cache shared between machines never hands one CPU another's build. Nothing is built at import:
 the first `available()` (or op call) builds, later processes load the cached file.
 """
@@ -38,7 +39,8 @@ def _cpu_signature() -> bytes:
 
 
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("PREFT_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "preft_jax")
+    root = os.environ.get("PREFT_JAX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "preft_jax")
     key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode() + _cpu_signature()).hexdigest()[:16]
     return pathlib.Path(root) / "cpu_native" / key
 

@@ -146,47 +146,62 @@ inline float HSum(v16 v) {
 #endif
 }
 
-// One query head over n tokens (keys[t], vals[t]: hd floats each): softmax(q k / sqrt(hd)) v -> out.
-// s: scratch of n + 16 floats.
-void AttendHead(const float* q, const float* const* keys, const float* const* vals, int64_t n, int64_t hd,
-                float scale, float* s, float* out) {
-  const bool vec = hd % 16 == 0 && hd <= 256;
-  float mx = -INFINITY;
+// The G query heads sharing one KV head (q: G x hd contiguous) over n tokens (keys[t], vals[t]: hd
+// floats each): softmax(q k / sqrt(hd)) v -> out (G x hd). Each key and value row is loaded once
+// for all G heads. s: scratch of G * (n + 16) floats.
+void AttendGroup(const float* q, int64_t G, const float* const* keys, const float* const* vals, int64_t n,
+                 int64_t hd, float scale, float* s, float* out) {
+  const int64_t ld = n + 16;
+  const bool vec = hd % 16 == 0 && hd <= 256 && G <= 16;
   for (int64_t t = 0; t < n; ++t) {
     const float* k = keys[t];
-    float dot = 0.f;
     if (vec) {
-      v16 acc = v16{};
-      for (int64_t i = 0; i < hd; i += 16) acc += load(q + i) * load(k + i);
-      dot = HSum(acc);
+      v16 kc[16];
+      for (int64_t c = 0; c < hd / 16; ++c) kc[c] = load(k + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        v16 acc = v16{};
+        for (int64_t c = 0; c < hd / 16; ++c) acc += load(q + g * hd + 16 * c) * kc[c];
+        s[g * ld + t] = HSum(acc) * scale;
+      }
     } else {
-      for (int64_t i = 0; i < hd; ++i) dot += q[i] * k[i];
+      for (int64_t g = 0; g < G; ++g) {
+        float dot = 0.f;
+        for (int64_t i = 0; i < hd; ++i) dot += q[g * hd + i] * k[i];
+        s[g * ld + t] = dot * scale;
+      }
     }
-    s[t] = dot * scale;
-    mx = std::max(mx, s[t]);
   }
-  float sum = 0.f;
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) store(s + t, VecExp(load(s + t) - mx));
-  for (; t < n; ++t) s[t] = std::exp(s[t] - mx);
-  for (t = 0; t < n; ++t) sum += s[t];
-  const float inv = 1.0f / sum;
+  for (int64_t g = 0; g < G; ++g) {                         // softmax of each head's row, in place
+    float* sg = s + g * ld;
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) store(sg + t, VecExp(load(sg + t) - mx));
+    for (; t < n; ++t) sg[t] = std::exp(sg[t] - mx);
+    for (t = 0; t < n; ++t) sum += sg[t];
+    const float inv = 1.0f / sum;
+    for (t = 0; t < n; ++t) sg[t] *= inv;
+  }
   if (vec) {
-    v16 acc[16];
     const int64_t nv = hd / 16;
-    for (int64_t j = 0; j < nv; ++j) acc[j] = v16{};
-    for (t = 0; t < n; ++t) {
-      const float p = s[t] * inv;
+    v16 acc[16 * 16];
+    for (int64_t i = 0; i < G * nv; ++i) acc[i] = v16{};
+    for (int64_t t = 0; t < n; ++t) {
       const float* v = vals[t];
-      for (int64_t j = 0; j < nv; ++j) acc[j] += p * load(v + 16 * j);
+      v16 vc[16];
+      for (int64_t c = 0; c < nv; ++c) vc[c] = load(v + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * ld + t];
+        for (int64_t c = 0; c < nv; ++c) acc[g * nv + c] += p * vc[c];
+      }
     }
-    for (int64_t j = 0; j < nv; ++j) store(out + 16 * j, acc[j]);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < nv; ++c) store(out + g * hd + 16 * c, acc[g * nv + c]);
   } else {
-    std::fill(out, out + hd, 0.f);
-    for (t = 0; t < n; ++t) {
-      const float p = s[t] * inv;
-      for (int64_t i = 0; i < hd; ++i) out[i] += p * vals[t][i];
-    }
+    std::fill(out, out + G * hd, 0.f);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < hd; ++i) out[g * hd + i] += s[g * ld + t] * vals[t][i];
   }
 }
 
@@ -377,31 +392,44 @@ ffi::Error DecodeStep(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_ta
     const int64_t layer_off = l * D.KV * pool_tokens * D.hd;      // pool [L, KV, NB * bs, hd]
 #pragma omp parallel
     {
-      std::vector<float> s(max_ctx + 16);
+      std::vector<float> s(groups * (max_ctx + 16));
       std::vector<const float*> keys(max_ctx), vals(max_ctx);
-#pragma omp for collapse(2) schedule(static)
-      for (int64_t r = 0; r < M; ++r)
-        for (int64_t kv = 0; kv < D.KV; ++kv) {
-          const float* row = qkv.data() + r * D.nqkv;
-          float* out = attn.data() + r * qdim + kv * groups * D.hd;
-          if (!clen[r]) {
-            std::fill(out, out + groups * D.hd, 0.f);
-            continue;
-          }
-          const int64_t n = ctx[r];
-          const float* kbase = kp + layer_off + kv * pool_tokens * D.hd;
-          const float* vbase = vp + layer_off + kv * pool_tokens * D.hd;
-          for (int64_t t = 0; t < n; ++t) {
-            const int64_t off = (static_cast<int64_t>(bt[r * D.nb + t / D.bs]) * D.bs + t % D.bs) * D.hd;
-            keys[t] = kbase + off;
-            vals[t] = vbase + off;
-          }
-          keys[n] = row + qdim + kv * D.hd;                 // the row's own new K/V
-          vals[n] = row + qdim + kvdim + kv * D.hd;
-          for (int64_t g = 0; g < groups; ++g)
-            AttendHead(row + (kv * groups + g) * D.hd, keys.data(), vals.data(), n + 1, D.hd, scale, s.data(),
-                       out + g * D.hd);
+      const int64_t T = omp_get_num_threads(), th = omp_get_thread_num();
+      const int64_t pairs = M * D.KV, p0 = pairs * th / T, p1 = pairs * (th + 1) / T;
+      // Context rows of (row, kv head) pair p: token t's offset in the layer's pool of that head.
+      auto token_off = [&](int64_t r, int64_t t) {
+        return (static_cast<int64_t>(bt[r * D.nb + t / D.bs]) * D.bs + t % D.bs) * D.hd;
+      };
+      for (int64_t pr = p0; pr < p1; ++pr) {
+        const int64_t r = pr / D.KV, kv = pr % D.KV;
+        if (pr + 1 < p1) {                                  // pull the next pair's context in meanwhile
+          const int64_t r2 = (pr + 1) / D.KV, kv2 = (pr + 1) % D.KV;
+          const int64_t n2 = clen[r2] ? ctx[r2] : 0;
+          const float* kb2 = kp + layer_off + kv2 * pool_tokens * D.hd;
+          const float* vb2 = vp + layer_off + kv2 * pool_tokens * D.hd;
+          for (int64_t t = 0; t < n2; ++t)
+            for (int64_t i = 0; i < D.hd; i += 16) {
+              __builtin_prefetch(kb2 + token_off(r2, t) + i, 0, 3);
+              __builtin_prefetch(vb2 + token_off(r2, t) + i, 0, 3);
+            }
         }
+        const float* row = qkv.data() + r * D.nqkv;
+        float* out = attn.data() + r * qdim + kv * groups * D.hd;
+        if (!clen[r]) {
+          std::fill(out, out + groups * D.hd, 0.f);
+          continue;
+        }
+        const int64_t n = ctx[r];
+        const float* kbase = kp + layer_off + kv * pool_tokens * D.hd;
+        const float* vbase = vp + layer_off + kv * pool_tokens * D.hd;
+        for (int64_t t = 0; t < n; ++t) {
+          keys[t] = kbase + token_off(r, t);
+          vals[t] = vbase + token_off(r, t);
+        }
+        keys[n] = row + qdim + kv * D.hd;                   // the row's own new K/V
+        vals[n] = row + qdim + kvdim + kv * D.hd;
+        AttendGroup(row + kv * groups * D.hd, groups, keys.data(), vals.data(), n + 1, D.hd, scale, s.data(), out);
+      }
     }
     // the new K/V into the pool after every row has read it (as the XLA path's one scatter per step)
     for (int64_t r = 0; r < M; ++r) {
