@@ -1,15 +1,17 @@
-"""The native CPU decode step: the decoder layers and the LM head of a decode step (one token per
-row, base weights) run as pallas_kernels.cpu's XLA FFI calls on weights packed once at load.
+"""The native CPU path: the decoder layers and the LM head of a decode step (one token per row, base
+weights) run as one pallas_kernels.cpu XLA FFI call on weights packed once at load; other calls run
+their base projections as native matmuls on the same packed weights (`Llama.forward_paged(dense=)`).
 
-    why = unsupported_reason(cfg, dtype, mesh)        "" when the native step can serve this model here
+    why = unsupported_reason(cfg, dtype, mesh)        "" when the native path can serve this model here
     native = pack(model)                              NativeWeights (a pytree: pass it to paged_step)
     logits, greedy, cache = decode_logits(model, native, tokens, batch, cache)
 
-It serves the decode calls that run on base weights alone: every decode call of a PreFT ("prefill"
-mode) or base engine. Prefill chunks, all-token adapter decode, meshes and bfloat16 stay on the XLA
-path (`preft_jax.model`). Its outputs are those of `paged_forward` up to float32 rounding (same
-math; another summation order): tests/test_native_decode.py holds it to the XLA path and the float64
-reference. Cost: a second, packed copy of the layer weights and the LM head in host memory.
+`paged_step(..., native=...)` takes the one-call step for decode calls without a bank (every decode
+call of a base or PreFT engine) and the native projections for the rest (prefill chunks, all-token
+decode), where adapters, norms and attention stay XLA's. Meshes, bfloat16 and accelerators keep the
+XLA / Pallas paths. Outputs equal `paged_forward`'s up to float32 rounding (same math, another
+summation order): tests/test_native_decode.py holds them to the XLA path and to float64. Cost: a
+second, packed copy of the layer weights and the LM head in host memory.
 """
 from __future__ import annotations
 
