@@ -1,4 +1,5 @@
-"""`python -m preft_jax "question"`: chat with the default model (optionally through an adapter)."""
+"""`python -m preft_jax "question"` (or `preft-jax "question"`): chat with the default model, optionally
+through an adapter."""
 from __future__ import annotations
 
 import argparse
@@ -7,16 +8,20 @@ import sys
 import jax
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m preft_jax", description=__doc__)
+def build_parser(prog: str = "python -m preft_jax") -> argparse.ArgumentParser:
+    from preft_jax import __version__
+    from preft_jax.cli_help import HelpFormatter
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--version", action="version", version=f"preft-jax {__version__}")
     ap.add_argument("prompt", help="user message (chat template applied) or raw text with --raw")
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--adapter", default=None, help="adapter folder (PEFT LoRA or preft ReFT)")
     ap.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                    "whose probability reaches this")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--backend", choices=("auto", "jnp", "xla", "pallas"), default="auto",
                     help="adapter backend (auto: pallas on TPU/GPU where the kernels lower, else xla; jnp on CPU)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -24,7 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cache", action="store_true",
                     help="neither read nor write the weight / compilation caches (see docs/caching.md)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None, prog: str = "python -m preft_jax") -> int:
+    args = build_parser(prog).parse_args(argv)
     from preft_jax.cache.startup import fast_start
     fast_start(use_cache=not args.no_cache)
 
@@ -54,6 +63,11 @@ def main(argv=None) -> int:
         return 2
     print(tok.decode(out.tokens))
     return 0
+
+
+def console() -> int:
+    """The `preft-jax` console script."""
+    return main(prog="preft-jax")
 
 
 if __name__ == "__main__":

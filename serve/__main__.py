@@ -1,4 +1,5 @@
-"""Command line: one-off generation or the OpenAI-compatible server.
+"""Command line: one-off generation or the OpenAI-compatible server (`python -m serve ...`, or the
+`preft-serve ...` console script).
 
     python -m serve generate --prompt "What is the capital of France?" [--adapter NAME=FOLDER ...]
                              [--use|--adapter-name NAME] [--max-tokens 64] [--temperature 0] [--mode prefill|all]
@@ -9,7 +10,10 @@
                            [--adapter-root DIR] [--max-queued 1024] [--request-timeout 600]
                            [--max-body-bytes 4194304] [--shutdown-grace 10]
                            [--warmup background|full|none] [--warmup-logprobs]
-    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--mesh data=D,tensor=T] [--no-cache] [--quiet]
+    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--mesh data=D,tensor=T]
+          [--cpu-decode auto|native|xla] [--no-cache] [--quiet]
+
+`python -m serve generate --help` / `server --help` list every flag with its default.
 
 Both enable the persistent compilation cache at start-up (`preft_jax.cache.fast_start`, as
 `python -m preft_jax` does; docs/caching.md); `--no-cache` leaves it and the weight cache off.
@@ -140,7 +144,7 @@ def cmd_generate(args) -> int:
     engine = _build_engine(cfg, params, tok, weights, capacity=len(weights), lora_rank=lora_rank,
                            reft_rank=reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype, mesh=mesh,
                            max_num_seqs=1, max_prefill_seqs=1, max_model_len=max_len,
-                           max_num_batched_tokens=max(2, min(512, max_len)))
+                           max_num_batched_tokens=max(2, min(512, max_len)), cpu_decode=args.cpu_decode)
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
                         stop_token_ids=tuple(tok.eos_token_ids))
     result = engine.generate([(prompt_ids, args.use, sp)])[0]
@@ -148,12 +152,18 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_server(args) -> int:
+def _configure_logging(level: str) -> None:
+    """The server's log format, set before anything logs (the cache's and the native library's one
+    line per degraded mode included); Orbax's (absl) per-load INFO chatter is left out."""
     import logging
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+def cmd_server(args) -> int:
     from serve.access import ServerConfig
     from serve.server import create_app, serve_forever
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     folders = _parse_adapters(args.adapter)
     try:
         server_config = ServerConfig(api_key=args.api_key, admin_key=args.admin_key,
@@ -196,10 +206,13 @@ def cmd_server(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m serve", description="preft_jax serving: PreFT adapted prefill, "
-                                "base-weights decode.")
-    sub = p.add_subparsers(dest="command", required=True)
+def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
+    from preft_jax import __version__
+    from preft_jax.cli_help import HelpFormatter
+    p = argparse.ArgumentParser(prog=prog, description="preft_jax serving: PreFT adapted prefill, base-weights "
+                                "decode.", formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"preft-jax {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,server}")
 
     def common(sp):
         sp.add_argument("--model", default=None,
@@ -215,23 +228,30 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--mesh", default=None, metavar="data=D,tensor=T",
                         help="shard over every device: tensor-parallel heads/ffn/vocab, data-parallel rows "
                              "(sizes default to 1; their product must equal the device count)")
+        sp.add_argument("--cpu-decode", choices=("auto", "native", "xla"), default="auto",
+                        help="on one CPU device in float32: native = the native decode step and native base "
+                             "projections (pallas_kernels.cpu), xla = XLA:CPU for everything; auto = native where "
+                             "its library builds")
         sp.add_argument("--no-cache", action="store_true",
                         help="neither read nor write the weight / compilation caches (see docs/caching.md)")
         sp.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    g = sub.add_parser("generate", help="print the completion of one chat prompt")
+    g = sub.add_parser("generate", help="print the completion of one chat prompt", formatter_class=HelpFormatter,
+                       description="Print the completion of one chat prompt (the chat template is applied).")
     common(g)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the user message")
     g.add_argument("--use", "--adapter-name", dest="use", default=None, metavar="NAME",
                    help="adapter to use (default: the base model, or the only --adapter given)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("server", help="run the OpenAI-compatible HTTP server")
+    s = sub.add_parser("server", help="run the OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
+                       description="Run the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                   "/v1/models, adapter load/unload, /health, /metrics).")
     common(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--max-num-seqs", "--slots", dest="max_num_seqs", type=int, default=16,
                    help="sequences running at once (decode rows)")
     s.add_argument("--max-model-len", "--max-len", dest="max_model_len", type=int, default=1024,
@@ -245,10 +265,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size in tokens (default: max-num-seqs x max-model-len)")
     s.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes (instead of tokens)")
     s.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    s.add_argument("--cpu-decode", choices=("auto", "native", "xla"), default="auto",
-                   help="on one CPU device in float32: native = the native decode step and native base "
-                        "projections (pallas_kernels.cpu), xla = XLA:CPU for everything; auto = native where "
-                        "its library builds")
     s.add_argument("--max-device-adapters", "--capacity", dest="max_device_adapters", type=int, default=16,
                    help="device adapter bank slots (PreFT holds one only during a request's prefill)")
     s.add_argument("--adapter-dir", default=None,
@@ -257,12 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host memory for loaded adapters (LRU beyond it)")
     s.add_argument("--lora-rank", type=int, default=16, help="largest LoRA rank the bank holds")
     s.add_argument("--reft-rank", type=int, default=8, help="largest ReFT rank the bank holds")
-    s.add_argument("--model-id", default=None, help="the base model's name in the API")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--model-id", default=None, help="the base model's name in the API (default: from --model)")
+    s.add_argument("--log-level", default="info", type=str.lower, choices=("critical", "error", "warning", "info", "debug"),
+                   help="server and engine log level")
     s.add_argument("--api-key", default=os.environ.get("PREFT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (env PREFT_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $PREFT_API_KEY, else none)")
     s.add_argument("--admin-key", default=os.environ.get("PREFT_ADMIN_KEY"),
-                   help="key for adapter load/unload (env PREFT_ADMIN_KEY); without it those endpoints are off")
+                   help="key for adapter load/unload (default: $PREFT_ADMIN_KEY); without one those endpoints are off")
     s.add_argument("--allow-unauthenticated-admin", action="store_true",
                    help="allow adapter load/unload without a key (trusted networks only)")
     s.add_argument("--adapter-root", default=None,
@@ -270,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued", type=int, default=1024, help="waiting requests before 429")
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="total seconds a request may take, queue included (0 = no limit)")
-    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body accepted (413 beyond)")
     s.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish on SIGTERM before they fail")
     s.add_argument("--warmup", choices=("background", "full", "none"), default="background",
@@ -283,8 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "python -m serve") -> int:
+    args = build_parser(prog).parse_args(argv)
+    if args.command == "server":
+        _configure_logging(args.log_level)
     from preft_jax.cache.startup import fast_start
     fast_start(use_cache=not args.no_cache)       # before anything compiles
     try:
@@ -294,6 +314,11 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def console() -> int:
+    """The `preft-serve` console script."""
+    return main(prog="preft-serve")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import preft_jax
+from preft_jax.cache import status as runtime_status
 from preft_jax.sampling import SamplingParams
 from serve import protocol
 from serve.access import ServerConfig, check_admin, check_api_key, resolve_adapter_path
@@ -101,7 +103,7 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
         yield
         await anyio.to_thread.run_sync(lambda: engine.shutdown(grace=config.shutdown_grace))
 
-    app = FastAPI(title="preft_jax server", version="0.2.0", lifespan=lifespan)
+    app = FastAPI(title="preft_jax server", version=preft_jax.__version__, lifespan=lifespan)
     http = _HttpCounters()
     def _on_response(scope, status: int):
         route = scope.get("route")
@@ -463,7 +465,8 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
     @app.get("/health")
     async def health():
         h = engine.health()
-        h.update(model=model_id, adapters=len(engine.registry.names()))
+        h.update(model=model_id, adapters=len(engine.registry.names()),
+                 runtime=runtime_status())       # caches and native library; "degraded": one line per mode
         if h["wedged"] or not h["loop_running"]:
             return JSONResponse(dict(h, status="unhealthy"), status_code=503)
         if not h["accepting"]:

@@ -10,7 +10,11 @@ Flags (defaults from the trainer's config class):
     checkpoint  --checkpoint-every --keep-checkpoints
     model       --model PATH --dtype {float32,bfloat16} --backend {auto,jnp,xla,pallas}
     processes   --coordinator HOST:PORT|auto --num-processes --process-id --local-device-count --init-timeout
-    output      --out RUN_FOLDER  (checkpoints/, metrics.jsonl, adapter/; resumes when it holds checkpoints)
+    output      --out RUN_FOLDER  (checkpoints/, metrics.jsonl, adapter/, data/; resumes when it holds checkpoints)
+
+`make_parser` gives both CLIs the same `--help` (prog in the `python -m` / `preft-train` form, every
+flag with help and its default); `parse_noting` records which flags the user actually gave (the
+dataset check of `train.data.prepare_dataset` compares only those).
 
 `main_guard` turns the errors a user can fix (bad flags, unreachable coordinator, a mesh that does
 not fit the devices, a checkpoint of another model / adapter / process count) into one
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pathlib
 import signal
 import sys
 
@@ -43,31 +48,40 @@ def _ints(text: str | None) -> tuple[int, ...] | None:
 def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: str) -> None:
     d = defaults
     g = p.add_argument_group("adapter")
-    g.add_argument("--adapter", choices=ADAPTERS, default=d.adapter.kind)
-    g.add_argument("--rank", type=int, default=d.adapter.rank)
-    g.add_argument("--mode", choices=MODES, default=d.adapter.mode)
+    g.add_argument("--adapter", choices=ADAPTERS, default=d.adapter.kind, help="adapter type to train")
+    g.add_argument("--rank", type=int, default=d.adapter.rank, help="LoRA / ReFT rank")
+    g.add_argument("--mode", choices=MODES, default=d.adapter.mode,
+                   help="prefill: the adapter acts on prompt tokens only (PreFT); all: on every token")
     g.add_argument("--alpha", type=float, default=d.adapter.alpha, help="LoRA alpha (default 2 * rank)")
-    g.add_argument("--targets", default=",".join(d.adapter.targets))
-    g.add_argument("--layers", type=_ints, default=d.adapter.layers, help="comma-separated (default: all)")
-    g.add_argument("--reft-kind", choices=("loreft", "direft"), default=d.adapter.reft_kind)
+    g.add_argument("--targets", default=",".join(d.adapter.targets),
+                   help="comma-separated LoRA target projections")
+    g.add_argument("--layers", type=_ints, default=d.adapter.layers,
+                   help="comma-separated layer indices (default: all)")
+    g.add_argument("--reft-kind", choices=("loreft", "direft"), default=d.adapter.reft_kind,
+                   help="ReFT intervention")
     g = p.add_argument_group("optimizer")
-    g.add_argument("--lr", type=float, default=d.optimizer.lr)
-    g.add_argument("--warmup-steps", type=int, default=d.optimizer.warmup_steps)
-    g.add_argument("--weight-decay", type=float, default=d.optimizer.weight_decay)
-    g.add_argument("--grad-clip", type=float, default=d.optimizer.grad_clip)
+    g.add_argument("--lr", type=float, default=d.optimizer.lr, help="peak learning rate (AdamW, cosine decay)")
+    g.add_argument("--warmup-steps", type=int, default=d.optimizer.warmup_steps, help="linear warm-up steps")
+    g.add_argument("--weight-decay", type=float, default=d.optimizer.weight_decay, help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=float, default=d.optimizer.grad_clip,
+                   help="global gradient-norm clip (0: none)")
     g = p.add_argument_group("loop")
-    g.add_argument("--steps", type=int, default=d.steps)
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--log-every", type=int, default=d.log_every)
-    g.add_argument("--eval-every", type=int, default=d.eval_every)
-    g.add_argument("--logit-chunk", type=int, default=d.logit_chunk)
+    g.add_argument("--steps", type=int, default=d.steps, help="training steps (batches)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the adapter init, batches and sampling "
+                   "(and of a generated dataset)")
+    g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (0: none)")
+    g.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations (0: at the end)")
+    g.add_argument("--logit-chunk", type=int, default=d.logit_chunk,
+                   help="sequence positions per vocabulary-projection chunk (memory vs speed)")
     g.add_argument("--pad-multiple", type=int, default=d.pad_multiple,
                    help="sequences are padded to a multiple of this (fewer distinct shapes: fewer compiles)")
-    g.add_argument("--mesh", default=",".join(map(str, d.mesh.shape)), help="data,fsdp,tensor")
+    g.add_argument("--mesh", default=",".join(map(str, d.mesh.shape)), help="device mesh sizes data,fsdp,tensor")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint.every,
-                   help="0: only at the end of the run")
-    g.add_argument("--keep-checkpoints", type=int, default=d.checkpoint.max_to_keep)
-    g.add_argument("--out", default=out, help="run folder: checkpoints/, metrics.jsonl, adapter/")
+                   help="steps between Orbax checkpoints (0: only at the end of the run)")
+    g.add_argument("--keep-checkpoints", type=int, default=d.checkpoint.max_to_keep,
+                   help="newest checkpoints kept")
+    g.add_argument("--out", default=out, help="run folder: checkpoints/, metrics.jsonl, adapter/, data/ "
+                   "(a run resumes from its checkpoints)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--fault-after-step", type=int, default=None, help=argparse.SUPPRESS)   # tests: SIGKILL
     g = p.add_argument_group("model")
@@ -76,6 +90,42 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
                    help="dtype of the frozen base model (adapter params and optimizer state stay float32)")
     g.add_argument("--backend", default="jnp", help=f"adapter backend, one of {BACKENDS} (the model validates it)")
     dist.add_cli_args(p)
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """An ArgumentParser with the shared help style (preft_jax.cli_help)."""
+    from preft_jax.cli_help import HelpFormatter
+    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+
+
+def parse_noting(p: argparse.ArgumentParser, argv, dests) -> argparse.Namespace:
+    """parse_args, plus `.given`: {dest: "--flag value"} for each of `dests` set on the command line."""
+    unset = object()
+    a = p.parse_args(argv, namespace=argparse.Namespace(**{k: unset for k in dests}))
+    flags = {act.dest: act.option_strings[0] for act in p._actions if act.option_strings}
+    a.given = {}
+    for k in dests:
+        if getattr(a, k) is unset:
+            setattr(a, k, p.get_default(k))
+        else:
+            a.given[k] = f"{flags.get(k, k)} {getattr(a, k)}"
+    return a
+
+
+def data_dir(a) -> pathlib.Path:
+    """--data, else <out>/data: a run's generated dataset lives with the run."""
+    return pathlib.Path(a.data) if a.data else pathlib.Path(a.out) / "data"
+
+
+def prepare_data(a, params: dict, given: dict) -> pathlib.Path:
+    """Generates or checks the run's dataset on process 0 (train.data.prepare_dataset, one log line),
+    then waits for it everywhere. DatasetMismatchError (exit 2) when it does not fit the flags."""
+    from train.data import prepare_dataset
+    folder = data_dir(a)
+    if dist.is_primary():
+        log.info("%s", prepare_dataset(folder, params, given))
+    dist.barrier("data")
+    return folder
 
 
 def trainer_fields(a) -> dict:
@@ -98,8 +148,10 @@ def model_options(a) -> ModelOptions:
 
 def start(a) -> dist.DistributedConfig:
     """jax.distributed start-up from flags / environment, then logging (process 0 at INFO)."""
+    from preft_jax.cache.startup import quiet_backend_probe
     from preft_jax.progress import set_quiet
     set_quiet(getattr(a, "quiet", False))
+    quiet_backend_probe()          # no "Unable to initialize backend 'tpu'" line on machines without one
     dcfg = dist.config_from_args(a)
     dist.initialize(dcfg)
     import jax
@@ -107,6 +159,7 @@ def start(a) -> dist.DistributedConfig:
     logging.basicConfig(level=level, format=f"%(asctime)s [p{jax.process_index()}] %(name)s %(message)s",
                         force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)       # Orbax's per-save chatter
+    logging.getLogger("datasets").setLevel(logging.WARNING)   # "JAX version ... available." at its import
     return dcfg
 
 
@@ -134,13 +187,14 @@ def callbacks(a) -> tuple:
 
 def main_guard(fn, argv=None) -> int:
     """Runs fn(argv); user-fixable errors -> `error: ...` on stderr, exit status 2."""
+    from train.data import DatasetMismatchError
     from train.trainer import ResumeError
     try:
         fn(argv)
     except (dist.DistributedError, ResumeError, ValueError, FileNotFoundError) as e:
         if os.environ.get("PREFT_TRACEBACK"):
             raise
-        specific = isinstance(e, (dist.DistributedError, ResumeError, FileNotFoundError))
+        specific = isinstance(e, (dist.DistributedError, ResumeError, FileNotFoundError, DatasetMismatchError))
         print(f"error: {e}" + ("" if specific else f" ({type(e).__name__}; PREFT_TRACEBACK=1 shows where)"),
               file=sys.stderr, flush=True)
         return 2

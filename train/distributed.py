@@ -92,8 +92,8 @@ def add_cli_args(parser) -> None:
     g = parser.add_argument_group("multi-process (each flag also reads its PREFT_* environment variable)")
     g.add_argument("--coordinator", default=None,
                    help="HOST:PORT of process 0 (it listens there), or 'auto' (TPU slice, SLURM, MPI)")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the run (PREFT_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. n-1 (PREFT_PROCESS_ID)")
     g.add_argument("--local-device-count", type=int, default=None,
                    help="number of (fake) CPU devices in this process")
     g.add_argument("--init-timeout", type=int, default=None, dest="initialization_timeout",

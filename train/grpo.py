@@ -34,7 +34,6 @@ every process), computes the same rewards, and feeds its rows of the batch to th
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import importlib
@@ -300,26 +299,35 @@ def load_reward(spec: str, tokenizer) -> Callable[[Sequence[int], object], float
     return fn
 
 
-def _parse(argv=None):
+DATA_FLAGS = ("n_train", "seed", "tasks", "max_ops")     # what a generated dataset depends on
+
+
+def build_parser(prog: str = "python -m train.grpo"):
     from train import cli
     d = GRPOConfig()
-    p = argparse.ArgumentParser(description="GRPO of one adapter with verifiable rewards")
+    p = cli.make_parser(prog, "GRPO of one adapter with verifiable rewards")
     cli.add_trainer_args(p, d, out="runs/grpo")
     g = p.add_argument_group("rollouts and objective")
-    g.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
-    g.add_argument("--group-size", type=int, default=d.group_size)
-    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    g.add_argument("--temperature", type=float, default=d.temperature)
-    g.add_argument("--clip-eps", type=float, default=d.clip_eps)
-    g.add_argument("--kl-coef", type=float, default=d.kl_coef)
-    g.add_argument("--inner-steps", type=int, default=d.inner_steps)
+    g.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step, help="prompts per rollout batch")
+    g.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt (the GRPO group)")
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="most tokens per rollout")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="rollout sampling temperature")
+    g.add_argument("--clip-eps", type=float, default=d.clip_eps, help="PPO-style ratio clip")
+    g.add_argument("--kl-coef", type=float, default=d.kl_coef, help="weight of the k3 KL penalty to the base model")
+    g.add_argument("--inner-steps", type=int, default=d.inner_steps, help="optimizer steps per rollout batch")
     g.add_argument("--reward", default="answer", help="'answer' (train.tasks verifier) or module:function")
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="runs/grpo_data", help="dataset folder (generated if missing)")
-    g.add_argument("--n-train", type=int, default=64)
+    g.add_argument("--data", default=None, help="dataset folder (default: <out>/data); generated when it holds "
+                   "none, reused when its meta.json matches the generation flags given, else an error")
+    g.add_argument("--n-train", type=int, default=64, help="training prompts to generate")
     g.add_argument("--tasks", default="arithmetic", help="comma-separated train.tasks kinds for generation")
-    g.add_argument("--max-ops", type=int, default=1)
-    return p.parse_args(argv)
+    g.add_argument("--max-ops", type=int, default=1, help="most operations per generated arithmetic question")
+    return p
+
+
+def _parse(argv=None, prog: str = "python -m train.grpo"):
+    from train import cli
+    return cli.parse_noting(build_parser(prog), argv, DATA_FLAGS)
 
 
 def config_from_args(a) -> GRPOConfig:
@@ -329,23 +337,21 @@ def config_from_args(a) -> GRPOConfig:
                       kl_coef=a.kl_coef, inner_steps=a.inner_steps)
 
 
-def run(argv=None) -> dict | None:
+def run(argv=None, prog: str = "python -m train.grpo") -> dict | None:
     """The CLI: returns the summary on process 0 (None elsewhere)."""
     from train import cli
     from train.checkpoint import export_adapter
-    from train.data import encode_prompt, load_split, write_dataset
+    from train.data import encode_prompt, generation_params, load_split
 
-    a = _parse(argv)
+    a = _parse(argv, prog)
     gc = config_from_args(a)
     opts = cli.model_options(a)
     cli.start(a)
     dist.build_mesh(gc.mesh)   # the mesh must fit the devices
-    if dist.is_primary() and not (pathlib.Path(a.data) / "train.jsonl").is_file():
-        write_dataset(a.data, a.n_train, 1, a.seed + 1, tasks=tuple(a.tasks.split(",")), max_ops=a.max_ops)
-    dist.barrier("grpo-data")
+    data = cli.prepare_data(a, generation_params(a.n_train, 1, a.seed + 1, a.tasks.split(","), a.max_ops), a.given)
     cfg, runner, tok = cli.load_base(opts)
     reward_fn = load_reward(a.reward, tok)
-    rows = load_split(a.data, "train")
+    rows = load_split(data, "train")
     prompts = [encode_prompt(tok, r["question"]) for r in rows]
     answers = [r["answer"] for r in rows]
     trainer = GRPOTrainer(cfg, runner, gc, reward_fn, tok.eos_token_ids, tok.pad_token_id or 0, decode=tok.decode)
@@ -362,9 +368,9 @@ def run(argv=None) -> dict | None:
     return summary
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m train.grpo") -> int:
     from train import cli
-    return cli.main_guard(run, argv)
+    return cli.main_guard(lambda args: run(args, prog), argv)
 
 
 if __name__ == "__main__":

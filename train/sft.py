@@ -10,11 +10,14 @@ Only adapter params are trained; the base model state is a constant (sharded) ar
 source; in a multi-process run each process pads and feeds only its rows of every global batch.
 
     python -m train.sft --adapter lora --rank 8 --mode prefill --steps 50 --out runs/sft
-    (see `python -m train.sft --help` and docs/training.md for multi-host, dtype and backend flags)
+    (or `preft-train sft ...`; see `--help` and docs/training.md for multi-host, dtype and backend flags)
+
+The dataset is generated into <out>/data unless --data names a folder; an existing one is reused
+only when the generation flags given (--n-train, --n-eval, --seed) match its meta.json
+(train.data.prepare_dataset), else the run stops with an error naming the difference.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -168,19 +171,28 @@ class SFTTrainer(Trainer):
 
 
 # ------------------------------------------------------------------------------------------ CLI
-def _parse(argv=None):
+DATA_FLAGS = ("n_train", "n_eval", "seed")       # what a generated dataset depends on
+
+
+def build_parser(prog: str = "python -m train.sft"):
     from train import cli
     d = SFTConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.make_parser(prog, __doc__.split("\n")[0])
     cli.add_trainer_args(p, d, out="runs/sft")
     g = p.add_argument_group("data")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (all processes)")
-    g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
+    g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size, help="rows per evaluation batch")
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="fixed padded length (default: bucketed)")
-    g.add_argument("--data", default="runs/data", help="dataset folder (generated if missing)")
-    g.add_argument("--n-train", type=int, default=512)
-    g.add_argument("--n-eval", type=int, default=64)
-    return p.parse_args(argv)
+    g.add_argument("--data", default=None, help="dataset folder (default: <out>/data); generated when it holds "
+                   "none, reused when its meta.json matches the generation flags given, else an error")
+    g.add_argument("--n-train", type=int, default=512, help="training rows to generate")
+    g.add_argument("--n-eval", type=int, default=64, help="held-out rows to generate")
+    return p
+
+
+def _parse(argv=None, prog: str = "python -m train.sft"):
+    from train import cli
+    return cli.parse_noting(build_parser(prog), argv, DATA_FLAGS)
 
 
 def config_from_args(a) -> SFTConfig:
@@ -189,23 +201,21 @@ def config_from_args(a) -> SFTConfig:
                      seq_len=a.seq_len)
 
 
-def run(argv=None) -> dict | None:
+def run(argv=None, prog: str = "python -m train.sft") -> dict | None:
     """The CLI: returns the summary on process 0 (None elsewhere)."""
     from train import cli
     from train.checkpoint import export_adapter
-    from train.data import LazyTokenized, load_split, write_dataset
+    from train.data import LazyTokenized, generation_params, load_split
 
-    a = _parse(argv)
+    a = _parse(argv, prog)
     tc = config_from_args(a)                 # validates flags before anything starts
     opts = cli.model_options(a)
     cli.start(a)
     dist.build_mesh(tc.mesh)   # the mesh must fit the devices
-    if dist.is_primary() and not (pathlib.Path(a.data) / "train.jsonl").is_file():
-        write_dataset(a.data, a.n_train, a.n_eval, a.seed)
-    dist.barrier("sft-data")
+    data = cli.prepare_data(a, generation_params(a.n_train, a.n_eval, a.seed), a.given)
     cfg, runner, tok = cli.load_base(opts)
-    train_data = LazyTokenized(tok, load_split(a.data, "train"))    # tokenizes only the rows it reads
-    eval_data = LazyTokenized(tok, load_split(a.data, "eval"))
+    train_data = LazyTokenized(tok, load_split(data, "train"))    # tokenizes only the rows it reads
+    eval_data = LazyTokenized(tok, load_split(data, "eval"))
     trainer = SFTTrainer(cfg, runner.graphdef, runner.state, tc)    # checks the mesh against the devices
     out = pathlib.Path(a.out)
     state, hist = trainer.fit(train_data, eval_data if len(eval_data) else None, tok.pad_token_id,
@@ -222,9 +232,9 @@ def run(argv=None) -> dict | None:
     return summary
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m train.sft") -> int:
     from train import cli
-    return cli.main_guard(run, argv)
+    return cli.main_guard(lambda args: run(args, prog), argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ id outside the pool, a context longer than its table or a negative write index i
 (XlaRuntimeError), never a stray read or write.
 
 Contract: float32, forward only, one CPU device (a custom call is not partitioned). The library is
-compiled on first use (_build.py); `available()` says whether it could be, and why not.
+compiled on first use (_build.py: checksummed, rebuilt when corrupt, $CXX honoured); `available()`
+says whether it could be, and why not; `library_status()` what this process loaded;
+`cached_libraries()` / `clear_cached_libraries()` list and delete the cached builds.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _build
+from ._build import cached_libraries, clear_cached_libraries, library_status  # noqa: F401  (cache info / clear, /health)
 
 PANEL = 48
 DECODER_WEIGHTS = ("attn_norm", "mlp_norm", "w_qkv", "b_qkv", "w_o", "w_gu", "w_down")

@@ -1,12 +1,24 @@
 """Compiles decode.cc into a shared library (once per source, jaxlib version and CPU) and registers
 its XLA FFI handlers with jax.
 
-The library is built with the C++ compiler (`CXX`, default g++; -O3 -march=native -fopenmp) against
-jaxlib's XLA FFI headers into a cache directory keyed by the source, the jaxlib version and this
-CPU's model and instruction-set flags (<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's:
-$PREFT_JAX_CACHE_DIR, else $XDG_CACHE_HOME/preft_jax, else ~/.cache/preft_jax),
-so a cache shared between machines never hands one CPU another's build. Nothing is built at import:
-the first `available()` (or op call) builds, later processes load the cached file.
+The library is built with a C++ compiler (-O3 -march=native -fopenmp -std=c++17) against jaxlib's
+XLA FFI headers into a cache folder keyed by the source, the jaxlib version and this CPU's model and
+instruction-set flags (<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's: $PREFT_JAX_CACHE_DIR,
+else $XDG_CACHE_HOME/preft_jax, else ~/.cache/preft_jax), so a cache shared between machines never
+hands one CPU another's build. Nothing is built at import: the first `available()` (or op call)
+builds, later processes load the cached file.
+
+Compiler: `$CXX` when set (only it: the user chose it), else the first of c++, clang++, g++ on PATH
+that builds the file.
+
+The cached file is never trusted blindly: the folder holds the library and its SHA-256
+(`libpreft_cpu_native.so.sha256`), built in a hidden temporary folder and published with one atomic
+rename, so a failed or interrupted build leaves nothing behind. Before loading, the library is
+checked against its checksum; a truncated or garbled file (loading one can kill the process with a
+bus error) is deleted and rebuilt. A cache folder that cannot be written gets a build in a temporary
+folder for this process only. Every degraded outcome (no compiler, a failed build, a rebuilt or
+temporary library) logs ONE line on the "pallas_kernels.cpu" logger; `library_status()` tells
+what happened, and the caller falls back to the XLA path when the library is unavailable.
 """
 from __future__ import annotations
 
@@ -17,8 +29,12 @@ import logging
 import os
 import pathlib
 import platform
+import shlex
+import shutil
 import subprocess
+import tempfile
 import threading
+import uuid
 
 import jax
 import jaxlib
@@ -26,7 +42,15 @@ import jaxlib
 log = logging.getLogger("pallas_kernels.cpu")
 SOURCE = pathlib.Path(__file__).with_name("decode.cc")
 TARGETS = {"preft_packed_matmul": "PreftPackedMatmul", "preft_decode_step": "PreftDecodeStep"}
+LIBRARY = "libpreft_cpu_native.so"
+CHECKSUM = LIBRARY + ".sha256"
+COMPILERS = ("c++", "clang++", "g++")         # tried in this order when $CXX is unset
 _lock = threading.Lock()
+_status: dict = {"state": "not_loaded", "path": None, "size": None, "reason": "not requested in this process"}
+
+
+class BuildError(Exception):
+    """The library could not be built (the message is one line)."""
 
 
 def _cpu_signature() -> bytes:
@@ -38,39 +62,198 @@ def _cpu_signature() -> bytes:
     return "\n".join(dict.fromkeys(keep)).encode()
 
 
-def cache_dir() -> pathlib.Path:
+def libraries_dir() -> pathlib.Path:
+    """<cache root>/cpu_native: one folder per build key."""
     root = os.environ.get("PREFT_JAX_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "preft_jax")
-    key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode() + _cpu_signature()).hexdigest()[:16]
-    return pathlib.Path(root) / "cpu_native" / key
+    return pathlib.Path(root) / "cpu_native"
 
 
-def _compile() -> pathlib.Path:
-    out = cache_dir() / "libpreft_cpu_native.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
-           "-w", f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
-    os.replace(tmp, out)                       # atomic: concurrent builders never see a partial file
-    return out
+@functools.lru_cache(maxsize=1)
+def build_key() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode() + _cpu_signature()).hexdigest()[:16]
+
+
+def cache_dir() -> pathlib.Path:
+    """The folder of this source / jaxlib / CPU's build."""
+    return libraries_dir() / build_key()
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def verify(folder: pathlib.Path) -> str:
+    """"" when folder holds a library matching its recorded checksum, else what is wrong."""
+    so, sums = folder / LIBRARY, folder / CHECKSUM
+    try:
+        expected = sums.read_text(encoding="ascii").split()[0]
+    except FileNotFoundError:
+        return f"no {CHECKSUM} beside the library"
+    except (OSError, ValueError, IndexError) as e:
+        return f"unreadable {CHECKSUM}: {e}"
+    try:
+        got = _sha256(so)
+    except OSError as e:
+        return f"unreadable {LIBRARY}: {e}"
+    if got != expected:
+        return f"{LIBRARY} ({so.stat().st_size} bytes) does not match its checksum (truncated or overwritten?)"
+    return ""
+
+
+def compilers() -> list[list[str]]:
+    """The compiler commands to try: [$CXX] when set, else those of COMPILERS found on PATH."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        return [shlex.split(cxx)]                 # only it: the user chose it
+    return [[c] for c in COMPILERS if shutil.which(c)]
+
+
+def _compile_into(folder: pathlib.Path) -> None:
+    """Builds the library and its checksum into an existing empty folder; BuildError (one line) if no
+    compiler could."""
+    candidates = compilers()
+    if not candidates:
+        raise BuildError(f"no C++ compiler found ($CXX is unset and none of {', '.join(COMPILERS)} is on PATH)")
+    out, failures = folder / LIBRARY, []
+    for cxx in candidates:
+        cmd = [*cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w",
+               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            failures.append(f"{cxx[0]}: {e.strerror or e}")      # e.g. $CXX names no executable
+            continue
+        if res.returncode == 0 and out.is_file():
+            (folder / CHECKSUM).write_text(f"{_sha256(out)}  {LIBRARY}\n", encoding="ascii")
+            return
+        log.debug("%s failed (status %d):\n%s", " ".join(cmd), res.returncode, res.stderr[-4000:])
+        last = next((ln.strip() for ln in reversed(res.stderr.splitlines()) if ln.strip()), "")
+        name = f"$CXX={' '.join(cxx)}" if os.environ.get("CXX", "").strip() else " ".join(cxx)
+        failures.append(f"{name} exited with status {res.returncode}" + (f" ({last[:300]})" if last else ""))
+    raise BuildError(f"compiling {SOURCE.name} failed: " + "; ".join(failures))
+
+
+def _discard(folder: pathlib.Path) -> None:
+    """Removes a folder, renaming it away first so no reader sees it half-deleted."""
+    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(folder, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _build_cached(final: pathlib.Path) -> pathlib.Path:
+    """Builds into a hidden sibling of `final` and publishes it with one rename. OSError when the cache
+    cannot be written; BuildError when the compile fails (nothing is left behind either way)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        _compile_into(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / LIBRARY).is_file():
+                raise
+            # a concurrent builder published first: keep theirs (checked by the caller)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final / LIBRARY
+
+
+def _dlopen(path: pathlib.Path) -> ctypes.CDLL:
+    return ctypes.CDLL(str(path))
+
+
+def _open_library() -> tuple[ctypes.CDLL, pathlib.Path, str, str]:
+    """(library, its path, how: "cached" | "built" | "rebuilt" | "temporary", a note for the last two).
+    BuildError or OSError when no library can be had."""
+    final, how, note = cache_dir(), "built", ""
+    if final.exists():
+        why = verify(final)
+        if not why:
+            return _dlopen(final / LIBRARY), final / LIBRARY, "cached", ""
+        how, note = "rebuilt", f"the cached native CPU library in {final} was rejected ({why}); rebuilt it"
+        try:
+            _discard(final)
+        except OSError:
+            pass                                  # read-only cache: build into a temporary folder below
+    try:
+        so = _build_cached(final)
+        why = verify(final)
+        if why:
+            raise BuildError(f"the freshly built library in {final} fails its check: {why}")
+        return _dlopen(so), so, how, note
+    except OSError as e:                          # the cache folder cannot be written
+        unwritable = f"cannot write {final.parent} ({e.strerror or e})"
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="preft_cpu_native_"))
+    try:
+        _compile_into(tmp)
+        lib = _dlopen(tmp / LIBRARY)              # mapped: the file may go now
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return lib, tmp / LIBRARY, "temporary", (f"native CPU library: {unwritable}; compiled it into a temporary "
+                                             f"folder for this process only")
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> str:
-    """Builds (if needed), loads and registers the handlers once; "" or why they are unavailable."""
+    """Builds (if needed), loads and registers the handlers once; "" or why they are unavailable.
+    A failure or a degraded build (rebuilt, temporary) is logged once, in one line."""
     if os.environ.get("PREFT_CPU_NATIVE", "1") == "0":
-        return "disabled by PREFT_CPU_NATIVE=0"
+        _status.update(state="disabled", path=None, size=None, reason="disabled by PREFT_CPU_NATIVE=0")
+        return _status["reason"]
     with _lock:
         try:
-            so = ctypes.CDLL(str(_compile()))
-        except (OSError, RuntimeError) as e:
-            return f"cannot build the native CPU library: {e}"
+            so, path, how, note = _open_library()
+        except (OSError, BuildError) as e:
+            reason = f"cannot build the native CPU library: {e}"
+            _status.update(state="unavailable", path=None, size=None, reason=reason)
+            log.warning("%s; the XLA path is used instead", reason)
+            return reason
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(so, symbol)), platform="cpu")
-        log.info("native CPU decode handlers registered (%s)", cache_dir())
+        if how == "temporary":
+            _status.update(state="temporary", path=None, size=None, reason=note)
+        else:
+            _status.update(state="loaded", path=str(path), size=path.stat().st_size, reason=note)
+        if note:
+            log.warning("%s", note)
+        else:
+            log.info("native CPU decode handlers registered (%s, %s)", path, how)
         return ""
+
+
+def library_status() -> dict:
+    """This process's native library: {"state": "not_loaded" | "loaded" | "temporary" | "unavailable" |
+    "disabled", "path", "size" (bytes), "reason"} (nothing is built or probed here)."""
+    return dict(_status)
+
+
+def cached_libraries() -> list[dict]:
+    """Every build folder under libraries_dir(): {"key", "path", "size" (bytes), "status": "ok" or what
+    is wrong, "current": built for this source / jaxlib / CPU}."""
+    root = libraries_dir()
+    out = []
+    if not root.is_dir():
+        return out
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        out.append({"key": folder.name, "path": str(folder / LIBRARY), "size": size,
+                    "status": verify(folder) or "ok", "current": folder.name == build_key()})
+    return out
+
+
+def clear_cached_libraries() -> int:
+    """Deletes every cached build (and leftovers of interrupted ones); returns how many builds."""
+    root = libraries_dir()
+    if not root.is_dir():
+        return 0
+    n = 0
+    for folder in list(root.iterdir()):
+        if folder.is_dir():
+            _discard(folder)
+            n += not folder.name.startswith(".")
+    return n

@@ -18,7 +18,9 @@ The adapter params are the trainable pytree of `preft_jax.adapters.trainable` (L
 checkpoints folder itself (picks the latest step) or one step folder, restores only the params
 (as host numpy) and returns the same canonical LoraWeights / ReftWeights that exporting the
 params (`train.checkpoint.export_adapter`) and loading the exported folder give.
-Orbax is imported only when a checkpoint is read.
+Orbax is imported only when a checkpoint is read. A step folder is read as the composite checkpoint
+`ocp.CheckpointManager` wrote (`_step_checkpointer`: the step-level handler with both items), the
+current Orbax API train/checkpoint.py uses, so Orbax finds the step's metadata where it put it.
 """
 from __future__ import annotations
 
@@ -140,14 +142,22 @@ def resolve_step(path: str | os.PathLike) -> pathlib.Path:
     return steps[-1]
 
 
+def _step_checkpointer():
+    """An Orbax checkpointer of one step folder as CheckpointManager writes it: a composite of the
+    state (PyTree) and meta (JSON) items, with the step's own metadata file."""
+    import orbax.checkpoint as ocp
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+        **{STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}))
+
+
 def read_meta(step_dir: str | os.PathLike) -> dict:
     """The JSON meta item of a step folder."""
     import orbax.checkpoint as ocp
     step_dir = pathlib.Path(step_dir)
     try:
-        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ck:
-            meta = ck.restore(step_dir / META_ITEM)
-    except (FileNotFoundError, ValueError, OSError) as e:
+        with _step_checkpointer() as ck:
+            meta = ck.restore(step_dir, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+    except (FileNotFoundError, ValueError, OSError, KeyError) as e:
         raise AdapterFormatError(f"{step_dir}: cannot read the checkpoint meta: {e}") from None
     if not isinstance(meta, dict):
         raise AdapterFormatError(f"{step_dir}: checkpoint meta is not a JSON object")
@@ -192,9 +202,9 @@ def load_orbax_adapter(path: str | os.PathLike, model_config: ModelConfig) -> Lo
     where = f"checkpoint {step_dir}"
     config = check_identity(read_meta(step_dir), model_config, where=where)
     expected = _expected_shapes(model_config, config)
-    state_dir = step_dir / STATE_ITEM
-    with ocp.PyTreeCheckpointer() as ck:
-        stored = ck.metadata(state_dir).item_metadata.tree
+    with _step_checkpointer() as ck:
+        state_meta = ck.metadata(step_dir).item_metadata[STATE_ITEM]
+        stored = getattr(state_meta, "tree", None)
         params_meta = stored.get(PARAMS_KEY) if isinstance(stored, dict) else None
         if not isinstance(params_meta, dict):
             raise AdapterFormatError(f"{where}: its state has no {PARAMS_KEY!r} subtree")
@@ -208,8 +218,8 @@ def load_orbax_adapter(path: str | os.PathLike, model_config: ModelConfig) -> Lo
             raise AdapterFormatError(f"{where}: adapter param shapes do not fit this model: " + "; ".join(bad))
         item = {PARAMS_KEY: params_meta}
         restore_args = {PARAMS_KEY: {**_tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params_meta)}}
-        restored = ck.restore(state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
-                                                                     partial_restore=True))
+        restored = ck.restore(step_dir, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeRestore(
+            item=item, restore_args=restore_args, partial_restore=True)}))[STATE_ITEM]
     params = _tree_map(lambda x: np.asarray(x, np.float32), restored[PARAMS_KEY])
     return adapter_weights(model_config, config, params)
 

@@ -6,6 +6,7 @@ Layout under the root:
     weights/v1/<sha256 of the model file>-<dtype>/   dequantized weights (see preft_jax.cache.weights)
     hashes/<sha256 of the absolute path>.json        (path, size, mtime, inode) -> content sha256 memo
     jax/                                             JAX persistent compilation cache
+    cpu_native/<key>/                                the compiled native CPU library (pallas_kernels.cpu)
 
 `PREFT_JAX_NO_CACHE=1` turns the weight cache and the compilation cache off by default.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 
 ENV_CACHE_DIR = "PREFT_JAX_CACHE_DIR"
 ENV_NO_CACHE = "PREFT_JAX_NO_CACHE"
@@ -44,3 +46,27 @@ def hashes_dir() -> pathlib.Path:
 
 def compilation_dir() -> pathlib.Path:
     return cache_root() / "jax"
+
+
+def native_dir() -> pathlib.Path:
+    """Where pallas_kernels.cpu keeps its compiled library (it computes the same path itself: the
+    kernels package sits below preft_jax and cannot import it)."""
+    return cache_root() / "cpu_native"
+
+
+def writable_reason(path: str | os.PathLike) -> str:
+    """"" when files can be created in the directory `path` (created, with its parents, if missing),
+    else why not (e.g. "Permission denied: /x"). Probes by creating and removing a file:
+    permission bits alone do not tell (root, read-only mounts, ACLs)."""
+    path = pathlib.Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+        return ""
+    except OSError as e:
+        if not e.strerror:
+            return str(e)
+        failed = e.filename if e.filename and not pathlib.Path(e.filename).name.startswith(".probe-") else path
+        return f"{e.strerror}: {failed}"

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import sys
@@ -28,14 +29,34 @@ def import_flax_quickly() -> None:
             del sys.modules["IPython"]
 
 
+class _QuietBackendProbe(logging.Filter):
+    """Drops the INFO line jax logs for every optional backend it probes and skips ("Unable to initialize
+    backend 'tpu': ..." on a machine without a TPU). A backend the user asked for (JAX_PLATFORMS) that
+    fails raises instead, and nothing at WARNING or above is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not str(record.msg).startswith("Unable to initialize backend")
+
+
+def quiet_backend_probe() -> None:
+    """Install the filter above on jax's backend logger (idempotent; CLI start-up)."""
+    logger = logging.getLogger("jax._src.xla_bridge")
+    if not any(isinstance(f, _QuietBackendProbe) for f in logger.filters):
+        logger.addFilter(_QuietBackendProbe())
+
+
 def fast_start(*, use_cache: bool = True, compilation_cache_dir: str | os.PathLike | None = None
                ) -> pathlib.Path | None:
-    """Enable the persistent compilation cache (unless `use_cache=False`) and import flax quickly.
+    """Enable the persistent compilation cache (unless `use_cache=False`), import flax quickly and
+    drop jax's log line about optional backends it skipped (quiet_backend_probe).
 
     Returns the compilation cache directory, or None when caching is off.
     """
     import_flax_quickly()
+    quiet_backend_probe()
     if not use_cache:
+        from preft_jax.cache.status import record_compilation
+        record_compilation("off", None, "turned off (--no-cache)")
         return None
     from preft_jax.cache.compilation import enable_compilation_cache
     return enable_compilation_cache(compilation_cache_dir)

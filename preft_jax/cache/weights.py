@@ -29,7 +29,8 @@ from typing import Mapping
 import numpy as np
 
 from preft_jax.cache.atomic import discard_dir, publish_dir, temp_sibling
-from preft_jax.cache.location import weights_dir
+from preft_jax.cache.location import weights_dir, writable_reason
+from preft_jax.cache.status import report_unwritable, unwritable_reason
 
 FORMAT = "preft_jax.weights"
 VERSION = 1
@@ -101,20 +102,26 @@ class WeightStore:
         except CorruptEntryError as e:
             warnings.warn(f"preft_jax cache entry {path} is corrupt ({e}); deleting it and rebuilding",
                           stacklevel=2)
-            discard_dir(path)
+            try:
+                discard_dir(path)
+            except OSError:
+                pass                    # a read-only cache: the entry stays, and is never used
             return None
 
     # ----------------------------------------------------------------------------------------- write
     def store(self, key: str, arrays: Mapping[str, np.ndarray], files: Mapping[str, bytes] | None = None,
               meta: dict | None = None) -> pathlib.Path | None:
         """Write an entry (atomically). Returns its path, or None when it could not be written (the
-        reason is warned; the caller just goes on uncached)."""
+        reason is warned, or logged once per process for a cache root that cannot be written; the
+        caller just goes on uncached)."""
         final = self.entry_path(key)
         files = dict(files or {})
         for name in files:
             if name in (MANIFEST, PARAMS) or "/" in name or name.startswith("."):
                 raise ValueError(f"invalid extra file name {name!r}")
         tmp = None
+        if unwritable_reason(self.root):
+            return None                 # already reported (preft_jax.cache.status)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temps()
@@ -133,7 +140,11 @@ class WeightStore:
             tmp = None
             return final
         except OSError as e:
-            warnings.warn(f"preft_jax cache: could not write {final}: {e}", stacklevel=2)
+            why = writable_reason(self.root)
+            if why:
+                report_unwritable(self.root, why)
+            else:
+                warnings.warn(f"preft_jax cache: could not write {final}: {e}", stacklevel=2)
             return None
         finally:
             if tmp is not None:

@@ -1,0 +1,452 @@
+"""A new user's environment, hostile or odd: a home that cannot be written, a read-only cache, a
+truncated or garbled compiled native library, no (working) C++ compiler, a stale dataset, and the
+log noise and CLI friction around them. Every degraded mode runs on with ONE clear line on stderr,
+never a traceback or a crash; each case runs the real command in a fresh process with the
+environment (HOME, CXX, PATH, cache folder, capabilities) it is about.
+
+As root, permission bits do not stop writes: the read-only cases then drop CAP_DAC_OVERRIDE with
+`setpriv` (a non-root user needs nothing), and are skipped where that is impossible."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NATIVE_PROBE = ("from pallas_kernels import cpu; why = cpu.unavailable_reason(); "
+                "import json; print(json.dumps(cpu.library_status()))")
+
+
+def _env(**overrides) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFT_JAX_CACHE_DIR", "XDG_CACHE_HOME", "PREFT_JAX_NO_CACHE", "CXX", "PREFT_CPU_NATIVE")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    for k, v in overrides.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(v)
+    return env
+
+
+def _run(args, env, prefix=(), timeout=600, cwd=ROOT):
+    return subprocess.run([*prefix, sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _lines(text: str, needle: str) -> list[str]:
+    return [ln for ln in text.splitlines() if needle in ln]
+
+
+def _no_crash(r):
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def _unprivileged() -> list[str]:
+    """A command prefix under which permission bits are enforced (root: drop the override capabilities)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: cannot make a folder read-only for the test process")
+    prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"setpriv cannot drop capabilities here: {probe.stderr!r}")
+    return prefix
+
+
+def _read_only(path: pathlib.Path) -> None:
+    for p in [path, *path.rglob("*")]:
+        mode = p.stat().st_mode
+        p.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+@pytest.fixture
+def writable_again():
+    """Folders to make writable again at teardown (so tmp_path can be removed)."""
+    paths = []
+    yield paths
+    for path in paths:
+        for p in [path, *path.rglob("*")]:
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+GENERATE = ["-m", "serve", "generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "3"]
+
+
+# ------------------------------------------------------------------------------------- caches
+def test_home_that_cannot_be_created_degrades_to_no_cache(tmp_path):
+    """HOME is a file: no cache folder can ever be made there (the issue's HOME=/nonexistent as user nobody)."""
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    r = _run(GENERATE + ["--cpu-decode", "xla"], _env(HOME=home))
+    _no_crash(r)
+    assert r.stdout.strip()
+    cache = home / ".cache" / "preft_jax"
+    assert _lines(r.stderr, "preft_jax cache:") == [
+        f"preft_jax cache: cannot create {cache} (Not a directory: {cache / 'jax'}): running without the persistent "
+        f"caches (set PREFT_JAX_CACHE_DIR to a writable folder, or PREFT_JAX_NO_CACHE=1 to turn the caches off)"]
+    assert "PermissionError" not in r.stderr and "Error writing persistent" not in r.stderr
+    info = _run(["-m", "preft_jax.cache", "info"], _env(HOME=home))
+    _no_crash(info)
+    assert info.stdout.splitlines()[0] == (f"cache root: {cache} (cannot be created: {home} is not a folder; "
+                                           f"no caches are used)")
+
+
+def test_missing_home_under_a_read_only_folder(tmp_path, writable_again):
+    prefix = _unprivileged()
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    _read_only(parent)
+    writable_again.append(parent)
+    home = parent / "nonexistent"
+    r = _run(GENERATE + ["--cpu-decode", "xla"], _env(HOME=home), prefix)
+    _no_crash(r)
+    [line] = _lines(r.stderr, "preft_jax cache:")
+    assert line.startswith(f"preft_jax cache: cannot create {home / '.cache' / 'preft_jax'} (Permission denied: ")
+    assert not home.exists()
+
+
+@pytest.mark.slow
+def test_read_only_cache_is_reused_with_one_line(tmp_path, writable_again):
+    """An existing read-only cache: entries are read, nothing is written, and JAX's per-program
+    "Error writing persistent compilation cache entry" warnings (32 per run before) are gone."""
+    prefix = _unprivileged()
+    cache = tmp_path / "cache"
+    r = _run(GENERATE + ["--cpu-decode", "xla"], _env(PREFT_JAX_CACHE_DIR=cache))
+    _no_crash(r)
+    programs = sorted(p.name for p in (cache / "jax").iterdir())
+    assert len(programs) > 5
+    _read_only(cache)
+    writable_again.append(cache)
+    again = _run(GENERATE + ["--cpu-decode", "xla", "--max-tokens", "5", "--prompt", "a longer prompt, new shapes"],
+                 _env(PREFT_JAX_CACHE_DIR=cache), prefix)
+    _no_crash(again)
+    assert "Error writing persistent compilation cache" not in again.stderr
+    [line] = _lines(again.stderr, "preft_jax cache:")
+    assert line.startswith(f"preft_jax cache: {cache} is read-only (Permission denied: {cache / 'jax'}): entries "
+                           f"already there are reused, new ones are not saved")
+    assert sorted(p.name for p in (cache / "jax").iterdir()) == programs
+    info = _run(["-m", "preft_jax.cache"], _env(PREFT_JAX_CACHE_DIR=cache), prefix)
+    _no_crash(info)
+    assert info.stdout.startswith(f"cache root: {cache} (read-only: Permission denied: {cache}; caches are only read)")
+
+
+# ---------------------------------------------------------------------------- native library
+@pytest.fixture(scope="module")
+def built_library(tmp_path_factory):
+    """A cache folder holding a good build of the native library (built once for this module)."""
+    cache = tmp_path_factory.mktemp("native") / "cache"
+    r = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache))
+    _no_crash(r)
+    status = json.loads(r.stdout.splitlines()[-1])
+    if status["state"] != "loaded":
+        pytest.skip(f"the native library does not build here: {status['reason']}")
+    [folder] = [p for p in (cache / "cpu_native").iterdir()]
+    assert sorted(p.name for p in folder.iterdir()) == ["libpreft_cpu_native.so", "libpreft_cpu_native.so.sha256"]
+    assert r.stderr.strip() == ""                     # a clean first build says nothing at WARNING
+    return cache, folder.name
+
+
+def _copy_cache(built, tmp_path) -> tuple[pathlib.Path, pathlib.Path]:
+    cache, key = built
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    return copy, copy / "cpu_native" / key / "libpreft_cpu_native.so"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncate", "garble"])
+def test_corrupt_cached_library_is_rebuilt(built_library, tmp_path, damage):
+    """Loading a truncated .so used to kill the process (bus error); a garbled one kept the native path
+    off until deleted by hand. Both are now caught by the checksum and rebuilt, with one line."""
+    cache, so = _copy_cache(built_library, tmp_path)
+    good = so.read_bytes()
+    so.write_bytes(good[:len(good) // 2] if damage == "truncate" else bytes(range(256)) * 40)
+    info = _run(["-m", "preft_jax.cache", "info"], _env(PREFT_JAX_CACHE_DIR=cache))
+    _no_crash(info)
+    [line] = _lines(info.stdout, "libpreft_cpu_native.so")
+    assert "this machine's, CORRUPT (libpreft_cpu_native.so (" in line and "does not match its checksum" in line
+
+    damaged_size = so.stat().st_size
+    r = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache))
+    _no_crash(r)
+    assert json.loads(r.stdout.splitlines()[-1])["state"] == "loaded"
+    assert r.stderr.splitlines() == [
+        f"the cached native CPU library in {so.parent} was rejected (libpreft_cpu_native.so ({damaged_size} bytes) "
+        f"does not match its checksum (truncated or overwritten?)); rebuilt it"]
+    assert so.stat().st_size > damaged_size or damage == "garble"
+    [line] = _lines(_run(["-m", "preft_jax.cache"], _env(PREFT_JAX_CACHE_DIR=cache)).stdout, "libpreft_cpu_native.so")
+    assert line.endswith("[this machine's, ok]")
+    again = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache))       # the rebuilt copy is trusted
+    _no_crash(again)
+    assert again.stderr.strip() == ""
+
+
+@pytest.mark.slow
+def test_failing_compiler_falls_back_to_xla_with_one_line(tmp_path):
+    """CXX=/bin/false: one line, no key folder left behind, generation runs on the XLA path with the
+    same greedy tokens; --cpu-decode native refuses clearly."""
+    cache = tmp_path / "cache"
+    env = _env(PREFT_JAX_CACHE_DIR=cache, CXX="/bin/false")
+    r = _run(GENERATE, env)
+    _no_crash(r)
+    assert r.stderr.splitlines() == ["cannot build the native CPU library: compiling decode.cc failed: "
+                                     "$CXX=/bin/false exited with status 1; the XLA path is used instead"]
+    assert [p.name for p in (cache / "cpu_native").iterdir()] == []          # no empty key folder
+    xla = _run(GENERATE + ["--cpu-decode", "xla"], _env(PREFT_JAX_CACHE_DIR=cache))
+    _no_crash(xla)
+    assert r.stdout == xla.stdout
+    native = _run(GENERATE + ["--cpu-decode", "native"], env)
+    assert native.returncode == 2
+    assert native.stderr.splitlines()[-1] == (
+        "error: cpu_decode='native' is unavailable: cannot build the native CPU library: compiling decode.cc "
+        "failed: $CXX=/bin/false exited with status 1")
+
+
+def test_no_compiler_on_path(tmp_path):
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    r = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=tmp_path / "cache", PATH=empty_bin))
+    _no_crash(r)
+    assert json.loads(r.stdout.splitlines()[-1])["state"] == "unavailable"
+    assert r.stderr.splitlines() == ["cannot build the native CPU library: no C++ compiler found ($CXX is unset "
+                                     "and none of c++, clang++, g++ is on PATH); the XLA path is used instead"]
+
+
+def test_unwritable_cache_builds_a_temporary_library(built_library, tmp_path, writable_again):
+    prefix = _unprivileged()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _read_only(cache)
+    writable_again.append(cache)
+    r = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache), prefix)
+    _no_crash(r)
+    status = json.loads(r.stdout.splitlines()[-1])
+    assert status["state"] == "temporary"
+    assert r.stderr.splitlines() == [f"native CPU library: cannot write {cache / 'cpu_native'} (Permission denied); "
+                                     f"compiled it into a temporary folder for this process only"]
+    assert list(cache.iterdir()) == []
+
+
+def test_cache_clear_removes_the_native_library(built_library, tmp_path):
+    cache, _ = _copy_cache(built_library, tmp_path)
+    r = _run(["-m", "preft_jax.cache", "clear"], _env(PREFT_JAX_CACHE_DIR=cache))
+    _no_crash(r)
+    assert r.stdout.startswith("removed 0 weight entries, 1 native library build, ")
+    assert list((cache / "cpu_native").iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- the server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_reports_degraded_modes_once_and_in_health(tmp_path):
+    """No cache and no native library: one log line each at start, /health lists both, and the app
+    reports the package version."""
+    import httpx
+
+    import preft_jax
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w+")
+    env = _env(HOME=home, CXX="/bin/false", JAX_PLATFORMS=None)            # jax probes its optional backends
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "server", "--model", "tiny", "--port", str(port),
+                             "--warmup", "none"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (log.seek(0), log.read())[1]
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.5)
+        assert health.status_code == 200
+        runtime = health.json()["runtime"]
+        openapi = httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=10).json()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    log.seek(0)
+    text = log.read()
+    cache = home / ".cache" / "preft_jax"
+    assert runtime["compilation_cache"]["state"] == "unavailable"
+    assert runtime["native_library"]["state"] == "unavailable"
+    assert runtime["degraded"] == [
+        f"cache {cache} cannot be created: Not a directory: {cache / 'jax'}",
+        "native CPU library unavailable: cannot build the native CPU library: compiling decode.cc failed: "
+        "$CXX=/bin/false exited with status 1"]
+    assert len(_lines(text, "WARNING preft_jax.cache preft_jax cache: cannot create")) == 1
+    assert len(_lines(text, "WARNING pallas_kernels.cpu cannot build the native CPU library")) == 1
+    assert len(_lines(text, "WARNING")) == 2, text
+    assert "Unable to initialize backend" not in text and "Traceback" not in text
+    assert openapi["info"]["version"] == preft_jax.__version__
+
+
+def test_backend_probe_line_is_dropped():
+    code = ("import logging; logging.basicConfig(level=logging.INFO); import sys\n"
+            "if sys.argv[1] == 'quiet':\n"
+            "    from preft_jax.cache import quiet_backend_probe; quiet_backend_probe()\n"
+            "import jax; print(jax.default_backend())")
+    loud = _run(["-c", code, "loud"], _env(JAX_PLATFORMS=None))
+    if "Unable to initialize backend" not in loud.stderr:
+        pytest.skip("jax probes no missing optional backend on this machine")
+    quiet = _run(["-c", code, "quiet"], _env(JAX_PLATFORMS=None))
+    _no_crash(quiet)
+    assert quiet.stdout == loud.stdout and "Unable to initialize backend" not in quiet.stderr
+
+
+def test_version_comes_from_the_distribution():
+    from importlib import metadata
+
+    import preft_jax
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert preft_jax.__version__ == metadata.version("preft-jax") == pyproject["project"]["version"]
+
+
+# ------------------------------------------------------------------------------ training data
+def test_sft_data_defaults_under_out_and_checks_an_existing_dataset(tmp_path):
+    from train import cli
+    from train.data import DatasetMismatchError, generation_params, prepare_dataset
+    from train.sft import _parse
+
+    a = _parse(["--out", str(tmp_path / "run"), "--n-train", "40"])
+    assert cli.data_dir(a) == tmp_path / "run" / "data"
+    assert a.given == {"n_train": "--n-train 40"} and (a.n_eval, a.seed) == (64, 0)
+    assert _parse(["--data", "d"]).given == {}
+
+    folder = tmp_path / "data"
+    assert prepare_dataset(folder, generation_params(16, 4, 0), {}) == (
+        f"generated the dataset in {folder} (n_train=16, n_eval=4, seed=0, tasks=arithmetic,word, max_ops=3)")
+    rows = (folder / "train.jsonl").read_text()
+    assert len(rows.splitlines()) == 16
+    # defaults differ, but the user set none of them: reused (and said so)
+    assert prepare_dataset(folder, generation_params(512, 64, 0), {}).startswith(f"reusing the dataset in {folder}")
+    assert prepare_dataset(folder, generation_params(16, 64, 0), {"n_train": "--n-train 16"}).startswith("reusing")
+    with pytest.raises(DatasetMismatchError) as e:
+        prepare_dataset(folder, generation_params(40, 4, 3), {"n_train": "--n-train 40", "seed": "--seed 3"})
+    assert str(e.value) == (
+        f"--data {folder} holds a dataset generated with other parameters: n_train=16 (this run: 40, from "
+        f"--n-train 40); seed=0 (this run: 3, from --seed 3). Pick another --data (or --out), delete {folder} to "
+        f"regenerate it, or drop those flags to reuse it")
+    assert (folder / "train.jsonl").read_text() == rows                         # never overwritten
+
+    own = tmp_path / "own"                                                      # a user's dataset: no meta.json
+    own.mkdir()
+    (own / "train.jsonl").write_text(rows)
+    assert prepare_dataset(own, generation_params(512, 64, 0), {}).startswith(f"using the dataset in {own} as it is")
+    with pytest.raises(DatasetMismatchError, match=r"holds a dataset without meta.json .*, so --n-eval 3 cannot apply"):
+        prepare_dataset(own, generation_params(512, 3, 0), {"n_eval": "--n-eval 3"})
+
+
+def test_sft_cli_refuses_a_stale_dataset_before_loading_anything(tmp_path):
+    from train.data import write_dataset
+    run = tmp_path / "run"
+    write_dataset(run / "data", 16, 4, seed=0)
+    r = _run(["-m", "train.sft", "--out", run, "--n-train", "40", "--model", tmp_path / "no-model-needed"],
+             _env(PREFT_JAX_CACHE_DIR=tmp_path / "cache"), timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        f"error: --data {run / 'data'} holds a dataset generated with other parameters: n_train=16 (this run: 40, "
+        f"from --n-train 40). Pick another --data (or --out), delete {run / 'data'} to regenerate it, or drop "
+        f"those flags to reuse it")
+    assert sorted(p.name for p in run.iterdir()) == ["data"]                  # nothing else written
+
+
+def test_datasets_progress_bars_only_on_a_terminal(tmp_path):
+    from train.data import write_dataset
+    write_dataset(tmp_path / "d", 8, 2, seed=0)
+    code = (f"from train.data import load_split; print(len(load_split({str(tmp_path / 'd')!r}, 'train', "
+            f"cache_dir={str(tmp_path / 'hf')!r})))")
+    r = _run(["-c", code], _env())
+    _no_crash(r)
+    assert r.stdout.strip() == "8"
+    assert "Generating train split" not in r.stderr and "%|" not in r.stderr, r.stderr
+
+
+def test_datasets_cache_that_cannot_be_written(tmp_path):
+    from train.data import write_dataset
+    write_dataset(tmp_path / "d", 8, 2, seed=0)
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    code = f"from train.data import load_split; print(len(load_split({str(tmp_path / 'd')!r}, 'eval')))"
+    r = _run(["-c", code], _env(HOME=home, HF_HOME=None, HF_DATASETS_CACHE=None, XDG_CACHE_HOME=None))
+    _no_crash(r)
+    assert r.stdout.strip() == "2"
+    [line] = _lines(r.stderr, "datasets cache")
+    assert line.startswith(f"datasets cache {home / '.cache' / 'huggingface' / 'datasets'} cannot be written "
+                           f"(Not a directory: ")
+
+
+# ---------------------------------------------------------------------------------- CLI help
+def _parsers():
+    import preft_jax.__main__ as chat
+    import preft_jax.cache.__main__ as cache_cli
+    import serve.__main__ as serve_cli
+    from train import grpo, sft
+    serve_parser = serve_cli.build_parser()
+    subs = next(a for a in serve_parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return {"python -m preft_jax": chat.build_parser(), "python -m preft_jax.cache": cache_cli.build_parser(),
+            "python -m serve": serve_parser, "python -m serve generate": subs["generate"],
+            "python -m serve server": subs["server"], "python -m train.sft": sft.build_parser(),
+            "python -m train.grpo": grpo.build_parser()}
+
+
+@pytest.mark.parametrize("prog", list(_parsers()))
+def test_every_flag_has_help_and_shows_its_default(prog):
+    parser = _parsers()[prog]
+    assert parser.prog == prog
+    text = parser.format_help()
+    assert text.startswith(f"usage: {prog} ")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) or action.help == argparse.SUPPRESS:
+            continue
+        assert action.help and action.help.strip(), f"{prog} {action.option_strings or action.dest}: no help"
+        shown = action.default not in (None, False, [], argparse.SUPPRESS) and "version" not in action.dest
+        if shown and action.option_strings:
+            assert "default" in parser._get_formatter()._get_help_string(action), action.option_strings
+
+
+def test_help_names_the_python_m_form_and_the_console_scripts():
+    r = _run(["-m", "train.sft", "--help"], _env())
+    _no_crash(r)
+    assert r.stdout.startswith("usage: python -m train.sft ")
+    assert "--n-train N_TRAIN training rows to generate (default: 512)" in " ".join(r.stdout.split())
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"preft-jax": "preft_jax.__main__:console", "preft-serve": "serve.__main__:console",
+                       "preft-train": "train.__main__:console"}
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        code = (f"import sys; sys.argv = [{name!r}] + sys.argv[1:]; from {module} import {func}; "
+                f"sys.exit({func}())")
+        args = ["sft", "--help"] if name == "preft-train" else ["--help"]
+        r = _run(["-c", code, *args], _env())
+        _no_crash(r)
+        expected = "preft-train sft" if name == "preft-train" else name
+        assert r.stdout.startswith(f"usage: {expected} "), r.stdout[:200]
+    r = _run(["-m", "train"], _env())
+    assert r.returncode == 2 and r.stderr.startswith("usage: python -m train {sft,grpo} [flags ...]")
+
+
+def test_serve_generate_has_cpu_decode():
+    parser = _parsers()["python -m serve generate"]
+    assert parser.parse_args(["--prompt", "x", "--cpu-decode", "xla"]).cpu_decode == "xla"
+    assert parser.parse_args(["--prompt", "x"]).cpu_decode == "auto"
