@@ -133,3 +133,14 @@ def test_checkpoint_of_another_model_or_adapter_is_refused(runner, runs, tmp_pat
         tr3.fit(_data(), checkpoint_dir=run / "checkpoints")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
     assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_reading_a_checkpoint_logs_no_orbax_warning(runs, caplog):
+    """The reader opens a step as the composite checkpoint CheckpointManager wrote (the current Orbax
+    API), so Orbax finds the step's metadata: no "Metadata file does not exist" warning per load."""
+    import logging
+    run, _ = runs["lora"]
+    with caplog.at_level(logging.WARNING):
+        load_adapter(run, CFG)
+        load_adapter(run / "checkpoints" / "2", CFG)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
