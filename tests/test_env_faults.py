@@ -144,6 +144,26 @@ def test_read_only_cache_is_reused_with_one_line(tmp_path, writable_again):
     assert info.stdout.startswith(f"cache root: {cache} (read-only: Permission denied: {cache}; caches are only read)")
 
 
+def test_weight_store_under_an_unwritable_root_reports_once(tmp_path, caplog):
+    import logging
+
+    import numpy as np
+
+    from preft_jax.cache import WeightStore, status
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    store = WeightStore(blocker / "weights")
+    with caplog.at_level(logging.WARNING, logger="preft_jax.cache"):
+        assert store.store("k1", {"w": np.ones(3, np.float32)}) is None
+        assert store.store("k2", {"w": np.ones(3, np.float32)}) is None
+        assert store.load("k1") is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"preft_jax cache: cannot create {blocker / 'weights'} (Not a directory: {blocker / 'weights'}): running "
+        f"without the persistent caches (set PREFT_JAX_CACHE_DIR to a writable folder, or PREFT_JAX_NO_CACHE=1 to "
+        f"turn the caches off)"]
+    assert f"cache {blocker / 'weights'} cannot be created: Not a directory: {blocker / 'weights'}" in status()["degraded"]
+
+
 # ---------------------------------------------------------------------------- native library
 @pytest.fixture(scope="module")
 def built_library(tmp_path_factory):
