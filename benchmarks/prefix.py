@@ -25,7 +25,8 @@ from benchmarks.common import header, load_runner, log, pct, round_robin, serve,
 
 
 def adapters(cfg, n, rank, last_k, seed=0):
-    from preft_jax.adapters.config import LoraConfig, LoraWeights, PositionPolicy
+    from preft_jax.adapters.config import LoraConfig, LoraWeights
+    from preft_jax.adapters.policy import PositionPolicy
     targets = ("q", "k", "v", "o")
     dims, L = cfg.projection_dims(), cfg.n_layers
     conf = LoraConfig(rank=rank, alpha=float(2 * rank), targets=targets, policy=PositionPolicy(last_k=last_k))

@@ -8,9 +8,14 @@ forcing, per-token gather for decode) and every layer uses it.
 * `prefill_step`: adapted prefill of a right-padded prompt batch into cache slots; returns the
   logits of each prompt's last token (which samples the first output token).
 * `decode_step`: one token per cache slot. With `bank=None` it is the plain base model: the
-  prefill-only (PreFT) decode. With a bank, slots whose adapter is in all-token mode use it.
+  prefill-only (PreFT) decode. With a bank, rows whose adapter acts on generated tokens (all-token
+  and activated policies) use it; PreFT rows still decode on base.
 * `sequence_logits`: teacher-forced logits for training, with the same per-token adapter
   masking as prefill + decode (prompt tokens adapted, response tokens base in prefill mode).
+
+Which token uses which adapter is `preft_jax.adapters.policy.token_adapter_index`; activated (aLoRA)
+adapters also need each row's activation start, `adapter_starts` int32 [B] (`policy.activation_starts`
+finds it in the prompt; `ModelRunner.generate` does so itself).
 """
 from __future__ import annotations
 
@@ -24,8 +29,8 @@ import numpy as np
 from flax import nnx
 
 from preft_jax import sharding as shd
+from preft_jax.adapters import policy
 from preft_jax.adapters.bank import AdapterBank
-from preft_jax.adapters.positions import token_adapter_index
 from preft_jax.kv_cache import KVCache
 from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams, sample
@@ -35,41 +40,41 @@ def _positions(batch, length):
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
 
-def _token_idx(bank, adapter_ids, positions, prompt_lengths):
+def _token_idx(bank, adapter_ids, positions, prompt_lengths, adapter_starts=None):
     if bank is None:
         return None
-    return token_adapter_index(bank, adapter_ids, positions, prompt_lengths)
+    return policy.token_adapter_index(bank, adapter_ids, positions, prompt_lengths, adapter_starts)
 
 
-def sequence_hidden(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None):
+def sequence_hidden(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None, adapter_starts=None):
     """Teacher-forced final hidden states [B, T, d] (pre final norm). Not jitted: trainers wrap it."""
     model = nnx.merge(graphdef, state)
-    idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths)
+    idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths, adapter_starts)
     h, _ = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank, row_slots=adapter_ids))
     return h
 
 
-def sequence_logits(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None):
+def sequence_logits(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None, adapter_starts=None):
     """Teacher-forced logits [B, T, V] float32; logits[:, t] predicts tokens[:, t + 1]."""
     model = nnx.merge(graphdef, state)
-    return model.logits(sequence_hidden(graphdef, state, tokens, prompt_lengths, bank, adapter_ids))
+    return model.logits(sequence_hidden(graphdef, state, tokens, prompt_lengths, bank, adapter_ids, adapter_starts))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
 def prefill_step(graphdef, state, tokens, prompt_lengths, slot_ids, cache: KVCache,
-                 bank: AdapterBank | None = None, adapter_ids=None):
+                 bank: AdapterBank | None = None, adapter_ids=None, adapter_starts=None):
     """tokens: int [B, T] right-padded; writes K/V into cache[slot_ids]. -> (last logits [B, V], cache)."""
     model = nnx.merge(graphdef, state)
-    idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths)
+    idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths, adapter_starts)
     h, cache = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank, row_slots=adapter_ids), cache,
                                    slot_ids)
     last = h[jnp.arange(tokens.shape[0]), prompt_lengths - 1]
     return model.logits(last), cache
 
 
-def _decode(graphdef, state, tokens, positions, cache, bank, adapter_ids, prompt_lengths):
+def _decode(graphdef, state, tokens, positions, cache, bank, adapter_ids, prompt_lengths, adapter_starts=None):
     model = nnx.merge(graphdef, state)
-    idx = _token_idx(bank, adapter_ids, positions[:, None], prompt_lengths)           # [n, 1]
+    idx = _token_idx(bank, adapter_ids, positions[:, None], prompt_lengths, adapter_starts)    # [n, 1]
     return model.decode(tokens, positions, cache, bank, model.adapter_context(idx, bank))
 
 
@@ -79,7 +84,7 @@ decode_step.__doc__ = """tokens, positions: int [n_slots] -> (logits [n_slots, V
 
 @functools.partial(jax.jit, static_argnums=(0, 12))
 def _decode_loop(graphdef, state, cache, first_tokens, prompt_lengths, bank, adapter_ids, key,
-                 temperature, top_p, top_k, stop_ids, max_new_tokens):
+                 temperature, top_p, top_k, stop_ids, max_new_tokens, adapter_starts=None):
     """Fused decode of up to max_new_tokens (first token given) with early exit when all rows stop."""
     B = first_tokens.shape[0]
     out = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(first_tokens)
@@ -93,7 +98,7 @@ def _decode_loop(graphdef, state, cache, first_tokens, prompt_lengths, bank, ada
         i, tok, cache, done, key, out = s
         key, sub = jax.random.split(key)
         logits, cache = _decode(graphdef, state, tok, prompt_lengths + i - 1, cache, bank, adapter_ids,
-                                prompt_lengths)
+                                prompt_lengths, adapter_starts)
         nxt = sample(logits, sub, temperature, top_p, top_k)
         nxt = jnp.where(done, 0, nxt)
         out = out.at[:, i].set(nxt)
@@ -158,15 +163,16 @@ class ModelRunner:
             return bank
         return jax.device_put(bank, shd.bank_shardings(bank, self.mesh, self.cfg))
 
-    def prefill(self, tokens, prompt_lengths, slot_ids, cache, bank=None, adapter_ids=None):
+    def prefill(self, tokens, prompt_lengths, slot_ids, cache, bank=None, adapter_ids=None, adapter_starts=None):
         with self.mesh_context():
             return prefill_step(self.graphdef, self.state, tokens, prompt_lengths, slot_ids, cache, bank,
-                                adapter_ids)
+                                adapter_ids, adapter_starts)
 
-    def decode(self, tokens, positions, cache, bank=None, adapter_ids=None, prompt_lengths=None):
+    def decode(self, tokens, positions, cache, bank=None, adapter_ids=None, prompt_lengths=None,
+               adapter_starts=None):
         with self.mesh_context():
             return decode_step(self.graphdef, self.state, tokens, positions, cache, bank, adapter_ids,
-                               prompt_lengths)
+                               prompt_lengths, adapter_starts)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, cache_len: int | None = None):
         limit = self.cfg.max_seq_len if cache_len is None else min(cache_len, self.cfg.max_seq_len)
@@ -182,8 +188,10 @@ class ModelRunner:
                  group: int = 1) -> list[Generation]:
         """Batched generation: adapted prefill, then fused decode.
 
-        Decode gets the bank only if some request's adapter is in all-token mode (or when
-        `decode_with_adapters` forces it); otherwise it runs the base model alone (PreFT).
+        Decode gets the bank only if some request's adapter acts on generated tokens (all-token or
+        activated policy; or when `decode_with_adapters` forces it); otherwise it runs the base model
+        alone (PreFT). An activated (aLoRA) adapter acts from the last occurrence of its invocation
+        sequence in the prompt; a prompt without it raises `policy.MissingInvocationError`.
         `group` > 1 samples every prompt `group` times (RL rollouts): each prompt is prefilled
         once and its cache rows and last logits are repeated; the result is group-major (row
         b * group + j is sample j of prompt b) and equals generating the repeated prompt list.
@@ -208,16 +216,21 @@ class ModelRunner:
             raise ValueError("adapter_ids given without an adapter bank")
         else:
             adapter_ids = None
+        starts = None
+        if bank is not None:
+            starts = policy.activation_starts(bank, adapter_ids, prompts)
+            starts = None if starts is None else jnp.asarray(starts)
         if decode_with_adapters is None:
-            decode_with_adapters = bank is not None and bool(np.any(np.asarray(bank.all_tokens)[np.asarray(adapter_ids)]))
+            decode_with_adapters = bank is not None and policy.decode_uses_adapters(bank, adapter_ids)
         plen = jnp.asarray(lengths, jnp.int32)
         cache = self.place_cache(KVCache.create(self.cfg, B, cache_len, self.dtype))
         bank = self.place_bank(bank)
         logits, cache = self.prefill(jnp.asarray(tokens), plen, jnp.arange(B, dtype=jnp.int32), cache,
-                                     bank, adapter_ids)
+                                     bank, adapter_ids, starts)
         if group > 1:
             logits, cache, plen = _repeat_rows(logits, cache, plen, group)
             adapter_ids = None if adapter_ids is None else jnp.repeat(adapter_ids, group)
+            starts = None if starts is None else jnp.repeat(starts, group)
             B *= group
         key = jax.random.key(0) if key is None else key
         key, sub = jax.random.split(key)
@@ -230,7 +243,8 @@ class ModelRunner:
         with self.mesh_context():
             out = _decode_loop(self.graphdef, self.state, cache, first, plen, dbank,
                                adapter_ids if dbank is not None else None, key, temp, top_p, top_k,
-                               jnp.asarray(stop, jnp.int32), sampling.max_new_tokens)
+                               jnp.asarray(stop, jnp.int32), sampling.max_new_tokens,
+                               starts if dbank is not None else None)
         return [_trim(row, stop) for row in np.asarray(out)]
 
 

@@ -3,7 +3,7 @@ then one sampled token per row, so the host sees only token ids (one transfer pe
 
     out, cache = paged_step(graphdef, state, tokens, batch, cache, bank, adapter_ids,
                             prompt_lengths, temperature, top_p, top_k, key, next_tokens=None, native=None,
-                            logprobs=False, prompt_logprobs=False, return_logits=False)
+                            adapter_starts=None, logprobs=False, prompt_logprobs=False, return_logits=False)
 
 `out` is the sampled token ids int32 [R] when no extra is asked for (the hot path: nothing else is
 computed or returned), else a dict of device arrays:
@@ -23,9 +23,10 @@ own key folded with the index of the token being sampled (seeded requests are re
 shares their batch).
 
 Decode is C == 1 (adapter gather layout); prefill chunks are C > 1 (grouped layout). Adapters act
-per token by the same position policy as everywhere (`token_adapter_index` with absolute positions),
-so a prompt prefilled in chunks is adapted exactly like a whole prompt, and generated tokens of a
-PreFT request run on base weights (their positions are >= the prompt length). `bank=None` compiles
+per token by the same position policy as everywhere (`policy.token_adapter_index` with absolute
+positions; `adapter_starts` int32 [R] gives activated (aLoRA) rows their activation start), so a
+prompt prefilled in chunks is adapted exactly like a whole prompt, and generated tokens of a PreFT
+request run on base weights (their positions are >= the prompt length). `bank=None` compiles
 the plain base model. `native` (a `preft_jax.native_decode.NativeWeights`: float32, one CPU device)
 runs a decode call without a bank as one native CPU call (layers, LM head, greedy argmax), and any
 other call (prefill chunks, adapted decode) with its base projections as native matmuls while
@@ -40,25 +41,27 @@ import jax.numpy as jnp
 from flax import nnx
 
 from preft_jax import native_decode
-from preft_jax.adapters.positions import token_adapter_index
+from preft_jax.adapters.policy import token_adapter_index
 from preft_jax.paged_kv import PagedBatch, PagedKVCache
 from preft_jax.sampling import MAX_TOP_LOGPROBS, row_keys, sample, token_logprobs
 
 
-def _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths, dense=None):
+def _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths, dense=None,
+            adapter_starts=None):
     model = nnx.merge(graphdef, state)
     ctx = None
     if bank is not None:
-        slots = token_adapter_index(bank, adapter_ids, batch.positions, prompt_lengths)
+        slots = token_adapter_index(bank, adapter_ids, batch.positions, prompt_lengths, adapter_starts)
         ctx = model.adapter_context(slots, bank, row_slots=adapter_ids)      # a row is one request
     h, cache = model.forward_paged(tokens, batch, cache, bank, ctx, dense=dense)
     return model, h, cache
 
 
 def paged_forward(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank=None, adapter_ids=None,
-                  prompt_lengths=None):
+                  prompt_lengths=None, adapter_starts=None):
     """(logits [R, V] float32 at each row's last valid token, cache)."""
-    model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths)
+    model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths,
+                              adapter_starts=adapter_starts)
     R = tokens.shape[0]
     last = h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)]
     return model.logits(last), cache
@@ -75,14 +78,15 @@ def _prompt_logprobs(model, h, next_tokens):
 
 
 def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids, prompt_lengths,
-               temperature, top_p, top_k, key, next_tokens=None, native=None, *, logprobs: bool = False,
+               temperature, top_p, top_k, key, next_tokens=None, native=None, adapter_starts=None, *,
+               logprobs: bool = False,
                prompt_logprobs: bool = False, return_logits: bool = False):
     if native is not None and bank is None and tokens.shape[1] == 1:   # a base-weights decode call: all native
         model = nnx.merge(graphdef, state)
         logits, greedy, cache = native_decode.decode_logits(model, native, tokens, batch, cache)
     else:                                                    # with native weights: native base projections
         model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths,
-                                  None if native is None else native.layers)
+                                  None if native is None else native.layers, adapter_starts)
         R = tokens.shape[0]
         logits, greedy = model.logits(h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)]), None
     if isinstance(key, tuple):

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preft_jax.adapters.bank import AdapterBank, policy_arrays
-from preft_jax.adapters.config import PositionPolicy
+from preft_jax.adapters.bank import AdapterBank
+from preft_jax.adapters.policy import PolicyTable, PositionPolicy
 from preft_jax.generation import ModelRunner
 from preft_jax.model import Llama
 from preft_jax.progress import progress, set_quiet
@@ -67,15 +67,15 @@ def random_bank(cfg, n, family, targets, rank, reft_layers, seed=0, dtype=jnp.fl
     L, dims, s = cfg.n_layers, cfg.projection_dims(), n + 1
     keys = iter(jax.random.split(jax.random.key(seed), 3 + 2 * len(targets)))
     rand = lambda *shape: 0.02 * jax.random.normal(next(keys), shape, dtype)
-    at, fk, lk = (jnp.asarray(x) for x in policy_arrays([PositionPolicy()] * s))
+    policy = PolicyTable.encode([PositionPolicy()] * s)
     if family == "lora":
         A = {t: rand(L, s, dims[t][0], rank) for t in targets}
         B = {t: rand(L, s, rank, dims[t][1]) for t in targets}
-        return AdapterBank(A, B, None, None, None, None, at, fk, lk)
+        return AdapterBank(A, B, None, None, None, None, policy)
     layer_mask = np.zeros((L, 1, 1, 1), np.float32)
     layer_mask[[i for i in reft_layers if i < L]] = 1
     R = rand(L, s, rank, cfg.d_model) * jnp.asarray(layer_mask, dtype)
-    return AdapterBank({}, {}, R, rand(L, s, rank, cfg.d_model), rand(L, s, rank), jnp.ones((s,), dtype), at, fk, lk)
+    return AdapterBank({}, {}, R, rand(L, s, rank, cfg.d_model), rand(L, s, rank), jnp.ones((s,), dtype), policy)
 
 
 def bank_bytes(bank) -> int:

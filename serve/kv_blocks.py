@@ -3,7 +3,8 @@
 A sequence's KV lives in `block_size`-token blocks named by its block table. Full blocks can be
 *cached*: registered under a hash that covers every token up to the block's end and the identity
 of the adapter that produced them, so a later sequence with the same prefix (and the same adapter,
-or none when the prefix is provably adapter-free, see `block_hashes`) reuses the block instead of
+or none when the prefix is provably adapter-free, see `block_hashes` and
+`preft_jax.adapters.policy.first_adapted_position`) reuses the block instead of
 recomputing it. Unreferenced cached blocks stay resident until the pool needs room and are then
 evicted least-recently-used first.
 
@@ -142,28 +143,6 @@ class BlockPool:
 
 
 # ---------------------------------------------------------------------------------------- hashing
-def first_adapted_position(policy_all: bool, first_k: int, last_k: int, prompt_len: int,
-                           has_adapter: bool) -> int:
-    """The first token position an adapter acts on (prompt_len + huge when none).
-
-    A block whose tokens all lie before this position was computed by the base weights alone
-    (attention is causal, so no earlier position can see an adapted one): it is identical to the
-    base model's block and shareable with base requests and across every adapter."""
-    never = 1 << 62
-    if not has_adapter:
-        return never
-    if policy_all:
-        return 0
-    if first_k < 0 and last_k < 0:
-        return 0 if prompt_len > 0 else never
-    candidates = []
-    if first_k > 0:
-        candidates.append(0)
-    if last_k > 0:
-        candidates.append(max(0, prompt_len - last_k))
-    return min(candidates) if candidates else never
-
-
 def block_hashes(tokens: Sequence[int], block_size: int, first_adapted: int, adapter_key: bytes | None,
                  n_blocks: int | None = None) -> list[bytes]:
     """Chained hashes of the first `n_blocks` full blocks of `tokens` (default: every full block).

@@ -20,7 +20,8 @@ already running keep the version they started with. `identity(ref)` names the ex
 position policy) a request uses, which the prefix cache keys adapted KV blocks on.
 
 The registry's `mode` decides which tokens every adapter acts on, whatever policy the adapter was
-saved with: "prefill" (prompt tokens only; a saved first_k / last_k prompt window is kept) or "all".
+saved with: "prefill" (prompt tokens only; a saved first_k / last_k prompt window is kept) or "all"
+(`preft_jax.adapters.policy.serving_policy`; an activated adapter keeps its own policy).
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preft_jax.adapters.bank import AdapterBank, empty_bank, policy_arrays
-from preft_jax.adapters.config import LORA_TARGETS, LoraWeights, PositionPolicy, ReftWeights
+from preft_jax.adapters.bank import AdapterBank, empty_bank
+from preft_jax.adapters.config import LORA_TARGETS, LoraWeights, ReftWeights
+from preft_jax.adapters.policy import PositionPolicy, serving_table, slot_entry, with_serving_policy
 from preft_jax.adapters.reft_io import load_adapter
 from preft_jax.config import ModelConfig
 from serve.errors import (AdapterCapacityError, AdapterExistsError, AdapterInUseError, AdapterLoadError,
@@ -97,18 +99,9 @@ def check_weights(weights: LoraWeights | ReftWeights, cfg: ModelConfig) -> None:
             raise ValueError(f"{what} holds NaN or Inf values")
 
 
-def serving_policy(policy: PositionPolicy, mode: str) -> PositionPolicy:
-    """The position policy an adapter gets in a registry of `mode`."""
-    if mode == "all":
-        return PositionPolicy(mode="all")
-    return policy if policy.mode == "prefill" else PositionPolicy()
-
-
 def with_policy(weights: LoraWeights | ReftWeights, mode: str) -> LoraWeights | ReftWeights:
-    policy = serving_policy(weights.config.policy, mode)
-    if policy == weights.config.policy:
-        return weights
-    return dataclasses.replace(weights, config=dataclasses.replace(weights.config, policy=policy))
+    """`weights` with the position policy a registry of `mode` serves it with (`policy.serving_policy`)."""
+    return with_serving_policy(weights, mode)
 
 
 def folder_signature(path: str, max_files: int = 512) -> tuple:
@@ -234,11 +227,11 @@ class AdapterRegistry:
         reg = cls(cfg, capacity=0, mode=mode)
         reg.capacity, reg.bank = bank.n_slots - 1, bank
         reg._slots = [_Slot() for _ in range(bank.n_slots)]
-        at, fk, lk = (np.asarray(x) for x in (bank.all_tokens, bank.first_k, bank.last_k))
         for slot, name in enumerate(names, start=1):
             kind = "lora" if bank.lora_A else "reft"
-            policy = PositionPolicy("all") if at[slot] else PositionPolicy(
-                "prefill", None if fk[slot] < 0 else int(fk[slot]), None if lk[slot] < 0 else int(lk[slot]))
+            policy = bank.policy.slot_policy(slot)
+            if policy.mode == "activated":                  # issue 26 phase 2: the engine passes no starts yet
+                raise ValueError("activated (aLoRA) adapters are not served yet (library generation supports them)")
             reg._sources[name] = _Source(None, None)
             reg._host[name] = HostEntry(name, None, kind, slot.to_bytes(4, "little") + b"static", 0, None, None,
                                         policy=policy)
@@ -259,15 +252,8 @@ class AdapterRegistry:
             if self.bank is None:
                 return
             static = [s for s in self._slots[1:] if s.static]
-            if static:                           # a prebuilt bank: switch its per-slot policy arrays
-                n = self.bank.n_slots
-                at = np.full(n, mode == "all")
-                at[0] = False
-                fk, lk = np.asarray(self.bank.first_k), np.asarray(self.bank.last_k)
-                if mode == "all":
-                    fk, lk = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
-                self.bank = dataclasses.replace(self.bank, all_tokens=jnp.asarray(at), first_k=jnp.asarray(fk),
-                                                last_k=jnp.asarray(lk))
+            if static:                           # a prebuilt bank: switch its per-slot policies
+                self.bank = dataclasses.replace(self.bank, policy=serving_table(self.bank.policy, mode))
                 if self._bank_shardings is not None:
                     self.bank = jax.device_put(self.bank, self._bank_shardings)
                 return
@@ -355,6 +341,8 @@ class AdapterRegistry:
         check_weights(weights, self.cfg)
         self._check_fits(weights)
         weights = with_policy(weights, self.mode)
+        if weights.config.policy.mode == "activated":       # issue 26 phase 2: the engine passes no starts yet
+            raise ValueError("activated (aLoRA) adapters are not served yet (library generation supports them)")
         kind = "lora" if isinstance(weights, LoraWeights) else "reft"
         return HostEntry(name, weights, kind, weights_digest(weights), _nbytes(weights), signature, path,
                          policy=weights.config.policy)
@@ -600,8 +588,7 @@ class AdapterRegistry:
                 R[:, :k], W[:, :k], b[:, :k] = weights.R, weights.W, weights.b
                 sub = 1.0 if weights.config.kind == "loreft" else 0.0
             upd.update(reft_R=R, reft_W=W, reft_b=b, reft_subtract=np.float32(sub))
-        at, fk, lk = policy_arrays([weights.config.policy])
-        upd.update(all_tokens=bool(at[0]), first_k=np.int32(fk[0]), last_k=np.int32(lk[0]))
+        upd["policy"] = slot_entry(weights.config.policy, bank.policy)
         return upd
 
     def close(self):
@@ -628,9 +615,7 @@ def _write_slot_impl(bank: AdapterBank, slot, upd: dict) -> AdapterBank:
     if R is not None:
         R, W, b = _set(R, slot, upd["reft_R"]), _set(W, slot, upd["reft_W"]), _set(b, slot, upd["reft_b"])
         sub = sub.at[slot].set(jnp.asarray(upd["reft_subtract"], sub.dtype))
-    return AdapterBank(A, B, R, W, b, sub, all_tokens=bank.all_tokens.at[slot].set(upd["all_tokens"]),
-                       first_k=bank.first_k.at[slot].set(upd["first_k"]),
-                       last_k=bank.last_k.at[slot].set(upd["last_k"]))
+    return AdapterBank(A, B, R, W, b, sub, policy=bank.policy.write(slot, upd["policy"]))
 
 
 _write_slot_donating = jax.jit(_write_slot_impl.__wrapped__, donate_argnums=0)

@@ -32,7 +32,8 @@ import dataclasses
 import time
 from collections import deque
 
-from serve.kv_blocks import BlockPool, NoFreeBlocks, block_hashes, first_adapted_position
+from preft_jax.adapters.policy import first_adapted_position
+from serve.kv_blocks import BlockPool, NoFreeBlocks, block_hashes
 from serve.registry import AdapterRegistry, NoDeviceSlot
 from serve.request import Request
 
@@ -175,11 +176,8 @@ class Scheduler:
     def _identity_and_policy(self, seq: Sequence):
         ref = seq.ref
         if ref is None:
-            return None, first_adapted_position(False, -1, -1, seq.plen, False)
-        pol = self.registry.policy(ref)
-        fa = first_adapted_position(pol.mode == "all", -1 if pol.first_k is None else pol.first_k,
-                                    -1 if pol.last_k is None else pol.last_k, seq.plen, True)
-        return self.registry.identity(ref), fa
+            return None, first_adapted_position(None, seq.tokens[:seq.plen])
+        return self.registry.identity(ref), first_adapted_position(self.registry.policy(ref), seq.tokens[:seq.plen])
 
     def _lookup_prefix(self, seq: Sequence) -> None:
         """Takes cached blocks for the sequence's leading full blocks (never its last token's block;

@@ -120,7 +120,7 @@ def tiny_qwen2(folder, seed: int = 0, tie: bool = False):
     return model, ids
 
 
-def tiny_llama3(folder, seed: int = 0, tie: bool = True):
+def tiny_llama3(folder, seed: int = 0, tie: bool = True, max_positions: int = 128):
     """(torch LlamaForCausalLM with llama3 rope scaling, special ids) saved with its tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -128,7 +128,7 @@ def tiny_llama3(folder, seed: int = 0, tie: bool = True):
     tok, ids = llama3_tokenizer()
     # original_max_position_embeddings=32 puts this head_dim's frequencies in all three llama3 bands
     cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions,
                       rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.2,
                       rope_scaling={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -10,7 +10,7 @@ import pytest
 from adapter_factory import random_lora, random_reft
 from preft_jax.adapters.bank import build_bank, empty_bank, set_slot
 from preft_jax.adapters.config import LoraConfig, PositionPolicy, ReftConfig
-from preft_jax.adapters.positions import token_adapter_index
+from preft_jax.adapters.policy import token_adapter_index
 from preft_jax.config import tiny_config
 from preft_jax.generation import ModelRunner, sequence_logits
 from preft_jax.model import Llama

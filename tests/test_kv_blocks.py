@@ -2,8 +2,8 @@
 that decides when a block is shareable across adapters."""
 import pytest
 
-from serve.kv_blocks import (NULL_BLOCK, BlockPool, NoFreeBlocks, adapter_identity, block_hashes,
-                             first_adapted_position)
+from preft_jax.adapters.policy import PositionPolicy, first_adapted_position
+from serve.kv_blocks import NULL_BLOCK, BlockPool, NoFreeBlocks, adapter_identity, block_hashes
 
 
 def test_allocate_free_and_exhaustion():
@@ -40,16 +40,16 @@ def test_hashes_chain_and_adapter_taint():
     base = block_hashes(toks, 4, first_adapted=1 << 62, adapter_key=None)
     ka, kb = adapter_identity("a", b"w1", (False, -1, 1)), adapter_identity("b", b"w2", (False, -1, 1))
     # last_k=1 on a 12-token prompt: only position 11 is adapted -> blocks ending at 4 and 8 are base
-    fa = first_adapted_position(False, -1, 1, len(toks), True)
+    fa = first_adapted_position(PositionPolicy(last_k=1), toks)
     assert fa == 11
     ha, hb = block_hashes(toks, 4, fa, ka), block_hashes(toks, 4, fa, kb)
     assert ha[:2] == base[:2] == hb[:2] and ha[2] != base[2] and ha[2] != hb[2]
     # first_k, unrestricted prefill and all-token adapt position 0: nothing is shared
-    for f in (first_adapted_position(False, 2, -1, 12, True), first_adapted_position(False, -1, -1, 12, True),
-              first_adapted_position(True, -1, -1, 12, True)):
+    for f in (first_adapted_position(PositionPolicy(first_k=2), toks), first_adapted_position(PositionPolicy(), toks),
+              first_adapted_position(PositionPolicy(mode="all"), toks)):
         assert f == 0 and block_hashes(toks, 4, f, ka)[0] != base[0]
     # a changed prefix changes every later hash; new weights change the identity
     assert block_hashes([99] + toks[1:], 4, 1 << 62, None)[2] != base[2]
     assert adapter_identity("a", b"w1", (False, -1, 1)) != adapter_identity("a", b"w1-new", (False, -1, 1))
     assert adapter_identity("a", b"w1", (False, -1, 1)) != adapter_identity("a", b"w1", (False, -1, 2))
-    assert first_adapted_position(False, -1, -1, 12, False) > 12
+    assert first_adapted_position(None, toks) > 12

@@ -59,7 +59,7 @@ def test_rules_table():
     s = _specs(jax.eval_shape(lambda: empty_bank(cfg, 3, ("v", "o"), 4, 2)), m, cfg)
     assert s["lora_A/v"] == P(None, None, "fsdp") and s["lora_B/v"] == P(None, None, None, "tensor")
     assert s["lora_A/o"] == P(None, None, "tensor") and s["reft_R"] == P(None, None, None, "fsdp")
-    assert s["all_tokens"] == P() and s["reft_subtract"] == P()
+    assert s["policy/kind"] == P() and s["reft_subtract"] == P()
     s = _specs(jax.eval_shape(lambda: KVCache.create(cfg, 8, 32)), m, cfg)
     assert s["k"] == P(None, ("data", "fsdp"), None, "tensor")
     s = _specs(jax.eval_shape(lambda: PagedKVCache.create(cfg, 9, 4)), m, cfg)

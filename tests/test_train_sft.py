@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from preft_jax.adapters.positions import token_adapter_index
+from preft_jax.adapters.policy import token_adapter_index
 from preft_jax.adapters.trainable import adapter_bank, init_adapter
 from preft_jax.config import tiny_config
 from preft_jax.generation import ModelRunner, sequence_logits

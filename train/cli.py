@@ -2,8 +2,8 @@
 
 Flags (defaults from the trainer's config class):
 
-    adapter     --adapter {lora,reft} --rank --mode {prefill,all} --alpha --targets q,v,... --layers 0,2
-                --reft-kind {loreft,direft}
+    adapter     --adapter {lora,reft} --rank --mode {prefill,all,activated} --alpha --targets q,v,... --layers 0,2
+                --reft-kind {loreft,direft} --invocation TEXT|IDS (mode activated: the aLoRA invocation)
     optimizer   --lr --warmup-steps --weight-decay --grad-clip
     loop        --steps --seed --log-every --eval-every --logit-chunk --pad-multiple
     mesh        --mesh data,fsdp,tensor            (multi-process: must use every device)
@@ -51,7 +51,8 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
     g.add_argument("--adapter", choices=ADAPTERS, default=d.adapter.kind, help="adapter type to train")
     g.add_argument("--rank", type=int, default=d.adapter.rank, help="LoRA / ReFT rank")
     g.add_argument("--mode", choices=MODES, default=d.adapter.mode,
-                   help="prefill: the adapter acts on prompt tokens only (PreFT); all: on every token")
+                   help="prefill: the adapter acts on prompt tokens only (PreFT); all: on every token; activated: "
+                        "from the last occurrence of --invocation in the prompt on (aLoRA)")
     g.add_argument("--alpha", type=float, default=d.adapter.alpha, help="LoRA alpha (default 2 * rank)")
     g.add_argument("--targets", default=",".join(d.adapter.targets),
                    help="comma-separated LoRA target projections")
@@ -59,6 +60,10 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
                    help="comma-separated layer indices (default: all)")
     g.add_argument("--reft-kind", choices=("loreft", "direft"), default=d.adapter.reft_kind,
                    help="ReFT intervention")
+    g.add_argument("--invocation", default=None,
+                   help="mode activated (aLoRA): the invocation sequence the adapter acts from, as text (tokenized "
+                        "without special-token handling, like PEFT's tokenizer.encode(..., add_special_tokens="
+                        "False)) or as token ids: comma-separated ('12,34') or a JSON list ('[12]')")
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=d.optimizer.lr, help="peak learning rate (AdamW, cosine decay)")
     g.add_argument("--warmup-steps", type=int, default=d.optimizer.warmup_steps, help="linear warm-up steps")
@@ -128,12 +133,31 @@ def prepare_data(a, params: dict, given: dict) -> pathlib.Path:
     return folder
 
 
-def trainer_fields(a) -> dict:
-    """The TrainerConfig fields (nested groups) from parsed flags."""
+def invocation_ids(text: str | None, tokenizer=None) -> tuple[int, ...] | None:
+    """--invocation -> token ids: comma-separated integers or a JSON list of them are ids; other text is
+    tokenized by `tokenizer` (None: a placeholder (0,), for validating flags before the model loads)."""
+    if text is None:
+        return None
+    body = text.strip()
+    bracketed = body.startswith("[") and body.endswith("]")
+    inner = body[1:-1] if bracketed else body
+    parts = [p.strip() for p in inner.split(",")]
+    if (bracketed or len(parts) > 1) and parts and all(p.isdigit() for p in parts):
+        return tuple(int(p) for p in parts)
+    if tokenizer is None:
+        return (0,)
+    ids = tuple(tokenizer.encode(text))
+    if not ids:
+        raise ValueError(f"--invocation {text!r} tokenizes to no tokens")
+    return ids
+
+
+def trainer_fields(a, tokenizer=None) -> dict:
+    """The TrainerConfig fields (nested groups) from parsed flags (`tokenizer`: see `invocation_ids`)."""
     return dict(
         adapter=AdapterSpec(kind=a.adapter, rank=a.rank, mode=a.mode, alpha=a.alpha,
                             targets=tuple(t for t in a.targets.split(",") if t), layers=a.layers,
-                            reft_kind=a.reft_kind),
+                            reft_kind=a.reft_kind, invocation=invocation_ids(a.invocation, tokenizer)),
         optimizer=OptimizerConfig(lr=a.lr, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
                                   grad_clip=a.grad_clip),
         mesh=MeshConfig.parse(a.mesh),

@@ -37,18 +37,19 @@ def _target_logprobs(model, h, targets, temperature):
 
 
 def token_logprobs(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None,
-                   temperature: float = 1.0, chunk: int | None = 64, start: int = 0):
+                   temperature: float = 1.0, chunk: int | None = 64, start: int = 0, adapter_starts=None):
     """[B, T] float32: entry t = log p(tokens[:, t] | tokens[:, :t]) (entry 0 = 0).
 
     `chunk`: sequence positions per vocab-projection chunk (None: all at once). Each chunk is
     rematerialized in the backward pass, so peak memory is O(B * chunk * V).
     `start` (static): the vocab projection runs only for entries t > start; entries 1..start are 0.
     Callers that score responses only pass start <= min(prompt_lengths) - 1 (every skipped entry is
-    a prompt token), which skips most of the vocab work for short responses after long prompts."""
+    a prompt token), which skips most of the vocab work for short responses after long prompts.
+    `adapter_starts` int32 [B]: activated (aLoRA) rows' activation starts (`policy.activation_starts`)."""
     T = tokens.shape[1]
     if not 0 <= start < T - 1:
         raise ValueError(f"start must be in [0, {T - 1}), got {start}")
-    h = sequence_hidden(graphdef, state, tokens, prompt_lengths, bank, adapter_ids)[:, start:-1]
+    h = sequence_hidden(graphdef, state, tokens, prompt_lengths, bank, adapter_ids, adapter_starts)[:, start:-1]
     targets = tokens[:, start + 1:]
     model = nnx.merge(graphdef, state)
     B, T1, d = h.shape
@@ -65,11 +66,13 @@ def token_logprobs(graphdef, state, tokens, prompt_lengths, bank=None, adapter_i
 
 
 def adapted_logprobs(model_cfg: ModelConfig, adapter_config, graphdef, state, params, tokens, prompt_lengths,
-                     adapter_id: int = 1, temperature: float = 1.0, chunk: int | None = 64, start: int = 0):
+                     adapter_id: int = 1, temperature: float = 1.0, chunk: int | None = 64, start: int = 0,
+                     adapter_starts=None):
     """token_logprobs with the trainable adapter's 2-slot bank; adapter_id 1 = adapted, 0 = base."""
     bank = adapter_bank(model_cfg, adapter_config, params)
     ids = jnp.full((tokens.shape[0],), adapter_id, jnp.int32)
-    return token_logprobs(graphdef, state, tokens, prompt_lengths, bank, ids, temperature, chunk, start)
+    return token_logprobs(graphdef, state, tokens, prompt_lengths, bank, ids, temperature, chunk, start,
+                          adapter_starts)
 
 
 # ------------------------------------------------------------------------------------ the state

@@ -1,7 +1,8 @@
 """Frozen, validated configuration shared by the SFT and GRPO trainers (and `train.experiment`).
 
     TrainerConfig                      the loop: steps, seed, logging/eval cadence, logit chunking
-    +- adapter:    AdapterSpec         lora | reft, rank, mode (prefill | all), alpha, targets, layers
+    +- adapter:    AdapterSpec         lora | reft, rank, mode (prefill | all | activated), alpha, targets,
+                                       layers, invocation (activated: the invocation token ids)
     +- optimizer:  OptimizerConfig     AdamW, warmup + cosine decay, global-norm clipping
     +- mesh:       MeshConfig          (data, fsdp, tensor) device mesh
     +- checkpoint: CheckpointConfig    Orbax cadence and retention
@@ -19,11 +20,11 @@ import json
 import types
 import typing
 
-from preft_jax.adapters.config import LORA_TARGETS, REFT_KINDS, LoraConfig, PositionPolicy, ReftConfig
+from preft_jax.adapters.config import LORA_TARGETS, REFT_KINDS, LoraConfig, ReftConfig
+from preft_jax.adapters.policy import MODES, PositionPolicy
 from preft_jax.config import ModelConfig
 
 ADAPTERS = ("lora", "reft")
-MODES = ("prefill", "all")
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("auto", "jnp", "xla", "pallas")
 
@@ -76,11 +77,12 @@ class AdapterSpec(JsonConfig):
     """What to train. `build(model_cfg)` gives the preft_jax LoraConfig / ReftConfig."""
     kind: str = "lora"                    # "lora" | "reft"
     rank: int = 8
-    mode: str = "prefill"                 # "prefill" (PreFT) | "all" (all-token baseline)
+    mode: str = "prefill"                 # "prefill" (PreFT) | "all" (all-token baseline) | "activated" (aLoRA)
     alpha: float | None = None            # LoRA alpha (default 2 * rank)
     targets: tuple[str, ...] = LORA_TARGETS
     layers: tuple[int, ...] | None = None   # None: every layer
     reft_kind: str = "loreft"             # "loreft" | "direft"
+    invocation: tuple[int, ...] | None = None   # mode "activated": the invocation sequence (token ids)
 
     def __post_init__(self):
         if self.kind not in ADAPTERS:
@@ -95,9 +97,20 @@ class AdapterSpec(JsonConfig):
             raise ValueError(f"reft_kind must be one of {REFT_KINDS}, got {self.reft_kind!r}")
         if self.layers is not None and (not self.layers or min(self.layers) < 0):
             raise ValueError(f"layers must be None (all) or non-empty non-negative indices, got {self.layers}")
+        if self.mode == "activated" and not self.invocation:
+            raise ValueError("mode 'activated' needs an invocation sequence (--invocation TEXT or ids)")
+        if self.mode != "activated" and self.invocation is not None:
+            raise ValueError(f"an invocation sequence belongs to mode 'activated', not {self.mode!r}")
+        self.policy()                     # validates the invocation ids
+
+    def policy(self) -> PositionPolicy:
+        return PositionPolicy(mode=self.mode, invocation_tokens=self.invocation)
 
     def build(self, model_cfg: ModelConfig) -> LoraConfig | ReftConfig:
-        policy = PositionPolicy(mode=self.mode)
+        policy = self.policy()
+        if policy.invocation_tokens and max(policy.invocation_tokens) >= model_cfg.vocab_size:
+            raise ValueError(f"invocation token {max(policy.invocation_tokens)} is outside the model's vocabulary "
+                             f"(0..{model_cfg.vocab_size - 1})")
         if self.layers is not None and max(self.layers) >= model_cfg.n_layers:
             raise ValueError(f"adapter layer {max(self.layers)} out of range for a model with "
                              f"{model_cfg.n_layers} layers")

@@ -10,7 +10,9 @@
   the `datasets` cache cannot be written).
 * `tokenize_row` renders the prompt with the tokenizer's chat template (system + user message,
   generation prompt added) and appends the response tokens + the end-of-turn token, so training
-  sees exactly the ids inference produces: the prompt ids, then generated ids.
+  sees exactly the ids inference produces: the prompt ids, then generated ids. For an activated
+  (aLoRA) adapter the invocation token ids end the prompt (`append_invocation`: added when the
+  prompt does not contain them already).
 * `pad_batch` right-pads to a length bucket and builds the per-token response mask.
 * `BatchIterator`: seeded epoch shuffles with a resumable integer position (batches consumed).
 """
@@ -187,9 +189,19 @@ class Tokenized:
         return self.prompts[i] + self.responses[i]
 
 
-def tokenize_row(tokenizer, row: dict, system_prompt: str | None = SYSTEM_PROMPT) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids + end-of-turn id)."""
-    prompt = encode_prompt(tokenizer, row["question"], system_prompt)
+def append_invocation(prompt: Sequence[int], invocation: Sequence[int] | None) -> list[int]:
+    """`prompt` + the invocation ids, unless the prompt contains them already (an activated adapter
+    then acts from their last occurrence); unchanged without an invocation."""
+    from preft_jax.adapters.policy import last_occurrence
+    if not invocation or last_occurrence(prompt, invocation) is not None:
+        return list(prompt)
+    return list(prompt) + list(invocation)
+
+
+def tokenize_row(tokenizer, row: dict, system_prompt: str | None = SYSTEM_PROMPT,
+                 invocation: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids (+ the invocation ids, see `append_invocation`), response ids + end-of-turn id)."""
+    prompt = append_invocation(encode_prompt(tokenizer, row["question"], system_prompt), invocation)
     response = tokenizer.encode(row["response"]) + [end_of_turn_id(tokenizer)]
     return prompt, response
 
@@ -200,8 +212,9 @@ class LazyTokenized:
     In a multi-process run each process reads only its rows of every batch, so it tokenizes only
     those. `rows` is any random-access sequence of dicts (a `datasets.Dataset`, a list)."""
 
-    def __init__(self, tokenizer, rows, system_prompt: str | None = SYSTEM_PROMPT):
-        self._tok, self._rows, self._system = tokenizer, rows, system_prompt
+    def __init__(self, tokenizer, rows, system_prompt: str | None = SYSTEM_PROMPT,
+                 invocation: Sequence[int] | None = None):
+        self._tok, self._rows, self._system, self._invocation = tokenizer, rows, system_prompt, invocation
         self._cache: dict[int, tuple[list[int], list[int]]] = {}
         self.prompts, self.responses = _Column(self, 0), _Column(self, 1)
 
@@ -211,7 +224,7 @@ class LazyTokenized:
     def pair(self, i: int) -> tuple[list[int], list[int]]:
         i = int(i)
         if i not in self._cache:
-            self._cache[i] = tokenize_row(self._tok, self._rows[i], self._system)
+            self._cache[i] = tokenize_row(self._tok, self._rows[i], self._system, self._invocation)
         return self._cache[i]
 
     def sequence(self, i: int) -> list[int]:
@@ -231,11 +244,11 @@ class _Column:
 
 
 def tokenize_dataset(tokenizer, rows: Iterable[dict], system_prompt: str | None = SYSTEM_PROMPT,
-                     max_len: int | None = None) -> Tokenized:
+                     max_len: int | None = None, invocation: Sequence[int] | None = None) -> Tokenized:
     """Tokenizes every row; rows longer than max_len tokens are dropped."""
     out = Tokenized([], [], [])
     for row in rows:
-        p, r = tokenize_row(tokenizer, row, system_prompt)
+        p, r = tokenize_row(tokenizer, row, system_prompt, invocation)
         if max_len is not None and len(p) + len(r) > max_len:
             continue
         out.prompts.append(p)

@@ -85,6 +85,9 @@ class GRPOConfig(TrainerConfig):
             raise ValueError(f"temperature must be > 0 (rollouts are sampled), got {self.temperature}")
         if self.clip_eps <= 0 or self.kl_coef < 0 or self.adv_eps <= 0:
             raise ValueError("clip_eps and adv_eps must be > 0, kl_coef >= 0")
+        if self.adapter.mode == "activated":
+            raise ValueError("GRPO trains prefill or all-token adapters; mode 'activated' (aLoRA) is trained by "
+                             "train.sft")
 
 
 # ------------------------------------------------------------------------------- the objective

@@ -1,15 +1,19 @@
-"""Supervised fine-tuning of one adapter, prefill-only (PreFT) or all-token.
+"""Supervised fine-tuning of one adapter: prefill-only (PreFT), all-token, or activated (aLoRA).
 
 The loss is the token-mean cross-entropy of the response tokens (prompt and padding masked out),
 with teacher-forced log-likelihoods from `preft_jax.generation.sequence_hidden`: the adapter
 bank is rebuilt from the trainable params every step and masked per token by its PositionPolicy.
 In prefill mode the prompt tokens (the last one included) run adapted and the response tokens run
 on base weights attending to the adapted prompt keys/values - exactly the serving computation.
+In activated mode (`--mode activated --invocation TEXT|IDS`) the invocation ids end every prompt
+(appended when absent) and the adapter acts from their last occurrence in the prompt on, response
+included, as HF PEFT's aLoRA does; the exported folder is a PEFT aLoRA adapter.
 Only adapter params are trained; the base model state is a constant (sharded) argument.
 `SFTTrainer` is the shared `train.trainer.Trainer` loop with this loss and a resumable, seeded batch
 source; in a multi-process run each process pads and feeds only its rows of every global batch.
 
     python -m train.sft --adapter lora --rank 8 --mode prefill --steps 50 --out runs/sft
+    python -m train.sft --mode activated --invocation "<|im_start|>check" --steps 50 --out runs/alora
     (or `preft-train sft ...`; see `--help` and docs/training.md for multi-host, dtype and backend flags)
 
 The dataset is generated into <out>/data unless --data names a folder; an existing one is reused
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from preft_jax import sharding as shd
+from preft_jax.adapters.policy import PositionPolicy, activation_start
 from train import distributed as dist
 from train.common import TrainState, adapted_logprobs
 from train.config import OptimizerConfig, TrainerConfig
@@ -52,17 +57,25 @@ class SFTConfig(TrainerConfig):
             raise ValueError("batch_size and eval_batch_size must be >= 1, seq_len None or >= 2")
 
 
-def batch_arrays(batch: Batch | dict) -> dict:
-    """The arrays a step consumes: tokens, prompt_lengths, loss_mask."""
+def batch_arrays(batch: Batch | dict, policy: PositionPolicy | None = None) -> dict:
+    """The arrays a step consumes: tokens, prompt_lengths, loss_mask; for an activated `policy` also
+    adapter_starts (each row's activation start: the last occurrence of the invocation in its prompt)."""
     d = batch.arrays() if isinstance(batch, Batch) else batch
-    return {"tokens": np.asarray(d["tokens"], np.int32), "prompt_lengths": np.asarray(d["prompt_lengths"], np.int32),
-            "loss_mask": np.asarray(d["loss_mask"], np.float32)}
+    out = {"tokens": np.asarray(d["tokens"], np.int32), "prompt_lengths": np.asarray(d["prompt_lengths"], np.int32),
+           "loss_mask": np.asarray(d["loss_mask"], np.float32)}
+    if policy is not None and policy.mode == "activated":
+        starts = d.get("adapter_starts")
+        if starts is None:
+            starts = [activation_start(policy, row[:n].tolist(), f"being trained (batch row {b})")
+                      for b, (row, n) in enumerate(zip(out["tokens"], out["prompt_lengths"]))]
+        out["adapter_starts"] = np.asarray(starts, np.int32)
+    return out
 
 
 def sft_loss_terms(model_cfg, adapter_config, graphdef, base_state, params, batch, chunk=64):
     """(sum of response-token NLL, number of response tokens)."""
     lp = adapted_logprobs(model_cfg, adapter_config, graphdef, base_state, params, batch["tokens"],
-                          batch["prompt_lengths"], 1, 1.0, chunk)
+                          batch["prompt_lengths"], 1, 1.0, chunk, adapter_starts=batch.get("adapter_starts"))
     mask = batch["loss_mask"].astype(jnp.float32)
     return -(lp * mask).sum(), mask.sum()
 
@@ -96,7 +109,7 @@ class SFTTrainer(Trainer):
     def step(self, ts: TrainState, batch: Batch | dict, global_batch_size: int | None = None):
         """One optimizer step (the input state is donated)."""
         if not isinstance(batch, dict) or not all(isinstance(v, jax.Array) for v in batch.values()):
-            batch = batch_arrays(batch)
+            batch = batch_arrays(batch, self.adapter_config.policy)
         return super().step(ts, batch, global_batch_size)
 
     # ---- the batch source: this process's rows of each global batch
@@ -111,7 +124,7 @@ class SFTTrainer(Trainer):
         b = pad_batch([data.prompts[i] for i in mine], [data.responses[i] for i in mine], self.pad_id, length)
         real = np.arange(rows.start, rows.stop) < n_real
         b.loss_mask[~real] = 0.0
-        return batch_arrays(b), len(idx)
+        return batch_arrays(b, self.adapter_config.policy), len(idx)
 
     def next_batch(self, state, position):
         idx = self._iter.indices(position)
@@ -128,7 +141,7 @@ class SFTTrainer(Trainer):
         of global batches of `global_batch_size`)."""
         nll, n = 0.0, 0.0
         for b in batches:
-            arrays = batch_arrays(b)
+            arrays = batch_arrays(b, self.adapter_config.policy)
             dev = self.put_batch(arrays, global_batch_size)
             fn = self.compiled("eval", dev, lambda: jax.jit(
                 self._eval_fn, in_shardings=(self.setup.state_shardings.params, self.setup.base_shardings,
@@ -195,9 +208,11 @@ def _parse(argv=None, prog: str = "python -m train.sft"):
     return cli.parse_noting(build_parser(prog), argv, DATA_FLAGS)
 
 
-def config_from_args(a) -> SFTConfig:
+def config_from_args(a, tokenizer=None) -> SFTConfig:
+    """The config of parsed flags; a text --invocation is tokenized by `tokenizer` (without one, a
+    placeholder id stands in, so the other flags can be validated before the model loads)."""
     from train import cli
-    return SFTConfig(**cli.trainer_fields(a), batch_size=a.batch_size, eval_batch_size=a.eval_batch_size,
+    return SFTConfig(**cli.trainer_fields(a, tokenizer), batch_size=a.batch_size, eval_batch_size=a.eval_batch_size,
                      seq_len=a.seq_len)
 
 
@@ -214,8 +229,10 @@ def run(argv=None, prog: str = "python -m train.sft") -> dict | None:
     dist.build_mesh(tc.mesh)   # the mesh must fit the devices
     data = cli.prepare_data(a, generation_params(a.n_train, a.n_eval, a.seed), a.given)
     cfg, runner, tok = cli.load_base(opts)
-    train_data = LazyTokenized(tok, load_split(data, "train"))    # tokenizes only the rows it reads
-    eval_data = LazyTokenized(tok, load_split(data, "eval"))
+    tc = config_from_args(a, tok)            # a text --invocation becomes the tokenizer's ids
+    invocation = tc.adapter.invocation
+    train_data = LazyTokenized(tok, load_split(data, "train"), invocation=invocation)   # tokenizes only the
+    eval_data = LazyTokenized(tok, load_split(data, "eval"), invocation=invocation)     # rows it reads
     trainer = SFTTrainer(cfg, runner.graphdef, runner.state, tc)    # checks the mesh against the devices
     out = pathlib.Path(a.out)
     state, hist = trainer.fit(train_data, eval_data if len(eval_data) else None, tok.pad_token_id,

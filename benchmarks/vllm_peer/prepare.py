@@ -87,7 +87,8 @@ def adapter_subdir(rank: int, targets=TARGETS) -> str:
 
 def random_lora_weights(model_config, rank: int, seed: int, alpha: float | None = None, targets=TARGETS):
     """Random non-zero LoRA on every target and layer, PEFT-like scale (A ~ 1/sqrt(d_in), B small)."""
-    from preft_jax.adapters.config import LoraConfig, LoraWeights, PositionPolicy
+    from preft_jax.adapters.config import LoraConfig, LoraWeights
+    from preft_jax.adapters.policy import PositionPolicy
 
     rng = np.random.default_rng(seed)
     conf = LoraConfig(rank=rank, alpha=float(alpha if alpha is not None else 2 * rank), targets=tuple(targets),

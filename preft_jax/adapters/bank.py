@@ -8,7 +8,8 @@ contents can change at run time without recompiling (see `set_slot`).
         (B has the adapter's alpha/r scale folded in; smaller ranks are zero-padded to r)
     reft_R, reft_W: [n_layers, n_slots, r, d_model]   reft_b: [n_layers, n_slots, r]
     reft_subtract:  [n_slots] (1.0 LoReFT, 0.0 DiReFT)
-    all_tokens: bool [n_slots]   first_k, last_k: int32 [n_slots] (-1 = unrestricted)
+    policy: PolicyTable            each slot's position policy (`preft_jax.adapters.policy` encodes and
+                                   decodes it; nothing else reads it)
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preft_jax.adapters.config import LoraWeights, PositionPolicy, ReftWeights
+from preft_jax.adapters.config import LoraWeights, ReftWeights
+from preft_jax.adapters.policy import PolicyTable, PositionPolicy, slot_entry
 from preft_jax.config import PROJECTION_AXES, ModelConfig
 
 
@@ -32,13 +34,11 @@ class AdapterBank:
     reft_W: jax.Array | None
     reft_b: jax.Array | None
     reft_subtract: jax.Array | None
-    all_tokens: jax.Array
-    first_k: jax.Array
-    last_k: jax.Array
+    policy: PolicyTable
 
     @property
     def n_slots(self) -> int:
-        return int(self.all_tokens.shape[0])
+        return self.policy.n_slots
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -59,8 +59,7 @@ class AdapterBank:
             opt(self.reft_R, ("layers", "adapters", "rank", "embed")),
             opt(self.reft_W, ("layers", "adapters", "rank", "embed")),
             opt(self.reft_b, ("layers", "adapters", "rank")),
-            opt(self.reft_subtract, ("adapters",)),
-            all_tokens=("adapters",), first_k=("adapters",), last_k=("adapters",))
+            opt(self.reft_subtract, ("adapters",)), policy=self.policy.logical_axes())
 
     def layer(self, i):
         """The per-layer slice used inside the layer scan (everything with a layer axis)."""
@@ -88,17 +87,10 @@ class LayerAdapters:
     reft_b: jax.Array | None
 
 
-def policy_arrays(policies: Sequence[PositionPolicy]):
-    """(all_tokens, first_k, last_k) numpy arrays for a list of slot policies."""
-    all_tokens = np.array([p.mode == "all" for p in policies], bool)
-    first_k = np.array([-1 if p.first_k is None else p.first_k for p in policies], np.int32)
-    last_k = np.array([-1 if p.last_k is None else p.last_k for p in policies], np.int32)
-    return all_tokens, first_k, last_k
-
-
 def empty_bank(cfg: ModelConfig, n_slots: int, lora_targets: Sequence[str] = (), lora_rank: int = 0,
-               reft_rank: int = 0, dtype=jnp.float32) -> AdapterBank:
-    """A bank of `n_slots` slots (slot 0 = base), all zero, every slot in prefill mode."""
+               reft_rank: int = 0, dtype=jnp.float32, max_invocation_tokens: int = 0) -> AdapterBank:
+    """A bank of `n_slots` slots (slot 0 = base), all zero, every slot in prefill mode; activated
+    adapters written into it later may have invocation sequences of up to `max_invocation_tokens`."""
     if n_slots < 1:
         raise ValueError("a bank needs at least the base slot")
     dims = cfg.projection_dims()
@@ -110,9 +102,8 @@ def empty_bank(cfg: ModelConfig, n_slots: int, lora_targets: Sequence[str] = (),
         reft = [jnp.zeros((L, n_slots, reft_rank, cfg.d_model), dtype),
                 jnp.zeros((L, n_slots, reft_rank, cfg.d_model), dtype),
                 jnp.zeros((L, n_slots, reft_rank), dtype), jnp.zeros((n_slots,), dtype)]
-    all_tokens, first_k, last_k = policy_arrays([PositionPolicy()] * n_slots)
-    return AdapterBank(lora_A, lora_B, *reft, all_tokens=jnp.asarray(all_tokens),
-                       first_k=jnp.asarray(first_k), last_k=jnp.asarray(last_k))
+    return AdapterBank(lora_A, lora_B, *reft,
+                       policy=PolicyTable.encode([PositionPolicy()] * n_slots, max_invocation_tokens))
 
 
 def _pad_to(x: np.ndarray, axis: int, size: int, what: str) -> np.ndarray:
@@ -158,11 +149,7 @@ def set_slot(bank: AdapterBank, slot: int, weights: LoraWeights | ReftWeights | 
         sub = sub.at[slot].set(1.0 if weights.config.kind == "loreft" else 0.0)
     elif weights is not None:
         raise TypeError(f"expected LoraWeights or ReftWeights, got {type(weights).__name__}")
-    at, fk, lk = policy_arrays([policy])
-    return AdapterBank(lora_A, lora_B, R, W, b, sub,
-                       all_tokens=bank.all_tokens.at[slot].set(bool(at[0])),
-                       first_k=bank.first_k.at[slot].set(int(fk[0])),
-                       last_k=bank.last_k.at[slot].set(int(lk[0])))
+    return AdapterBank(lora_A, lora_B, R, W, b, sub, policy=bank.policy.write(slot, slot_entry(policy, bank.policy)))
 
 
 def build_bank(cfg: ModelConfig, adapters: Sequence[LoraWeights | ReftWeights], capacity: int | None = None,
@@ -197,9 +184,8 @@ def build_bank(cfg: ModelConfig, adapters: Sequence[LoraWeights | ReftWeights], 
             r = w.config.rank
             R[:, slot, :r], W[:, slot, :r], b[:, slot, :r] = w.R, w.W, w.b
             sub[slot] = 1.0 if w.config.kind == "loreft" else 0.0
-    at, fk, lk = policy_arrays([PositionPolicy()] + [w.config.policy for w in adapters]
-                               + [PositionPolicy()] * (capacity - len(adapters)))
+    policy = PolicyTable.encode([PositionPolicy()] + [w.config.policy for w in adapters]
+                                + [PositionPolicy()] * (capacity - len(adapters)))
     put = lambda x: None if x is None else jnp.asarray(x, dtype)
     return AdapterBank({t: put(x) for t, x in A.items()}, {t: put(x) for t, x in B.items()},
-                       put(R), put(W), put(b), put(sub), all_tokens=jnp.asarray(at),
-                       first_k=jnp.asarray(fk), last_k=jnp.asarray(lk))
+                       put(R), put(W), put(b), put(sub), policy=policy)

@@ -16,32 +16,10 @@ import math
 
 import numpy as np
 
+from preft_jax.adapters.policy import PositionPolicy  # the policy lives in policy.py; kept importable here
+
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 REFT_KINDS = ("loreft", "direft")
-
-
-@dataclasses.dataclass(frozen=True)
-class PositionPolicy:
-    """Which tokens an adapter acts on.
-
-    mode="prefill": prompt tokens only (the last prompt token included); generated tokens run on base.
-    mode="all": every token, prompt and generated (the all-token baseline).
-    first_k / last_k (prefill mode only): restrict to the first k and/or last k prompt tokens;
-    both None means every prompt token.
-    """
-    mode: str = "prefill"
-    first_k: int | None = None
-    last_k: int | None = None
-
-    def __post_init__(self):
-        if self.mode not in ("prefill", "all"):
-            raise ValueError(f"PositionPolicy.mode must be 'prefill' or 'all', got {self.mode!r}")
-        for name in ("first_k", "last_k"):
-            k = getattr(self, name)
-            if k is not None and k < 0:
-                raise ValueError(f"{name} must be >= 0, got {k}")
-        if self.mode == "all" and (self.first_k is not None or self.last_k is not None):
-            raise ValueError("first_k/last_k apply to prompt positions; use mode='prefill' with them")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,10 @@ Which modules an adapter touches is resolved from `adapter_config.json` the same
 (`target_modules` list / regex / "all-linear", `exclude_modules`, `layers_to_transform`,
 `layers_pattern`), and the tensors in the file must match that set exactly.
 
-The adapter's PositionPolicy (prefill-only vs all tokens) has no PEFT field; it travels in a small
-`preft_policy.json` sidecar that PEFT ignores.
+The adapter's PositionPolicy travels in a small `preft_policy.json` sidecar that PEFT ignores. An
+activated (aLoRA) policy is also PEFT's own field: `alora_invocation_tokens` in adapter_config.json
+(read into `PositionPolicy(mode="activated", invocation_tokens=...)`, written back on save), so PEFT
+loads a saved activated adapter as aLoRA.
 
 Neither torch nor peft is imported here: safetensors files are parsed directly (numpy has no
 bfloat16, so BF16 is widened to float32 bitwise) and written with `safetensors.numpy`.
@@ -32,7 +34,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from preft_jax.adapters.config import LORA_TARGETS, LoraConfig, LoraWeights, PositionPolicy
+from preft_jax.adapters import policy as position_policy
+from preft_jax.adapters.config import LORA_TARGETS, LoraConfig, LoraWeights
+from preft_jax.adapters.policy import PositionPolicy
 from preft_jax.config import ModelConfig
 
 __all__ = [
@@ -162,26 +166,15 @@ def _write_safetensors(path: pathlib.Path, tensors: Mapping[str, np.ndarray]) ->
     os.replace(tmp, path)
 
 
-def _policy_to_json(policy: PositionPolicy) -> dict[str, Any]:
-    return {"mode": policy.mode, "first_k": policy.first_k, "last_k": policy.last_k}
+_policy_to_json = position_policy.to_json
 
 
 def _policy_from_json(data: Any, where: str) -> PositionPolicy:
-    if not isinstance(data, dict):
-        raise AdapterFormatError(f"{where}: position policy must be a JSON object, got {data!r}")
-    unknown = sorted(set(data) - {"mode", "first_k", "last_k"})
-    if unknown:
-        raise AdapterFormatError(f"{where}: unknown position policy field(s) {unknown}")
-    if "mode" not in data:
-        raise AdapterFormatError(f"{where}: position policy is missing required key 'mode'")
-    for k in ("first_k", "last_k"):
-        v = data.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise AdapterFormatError(f"{where}: position policy {k} must be an integer or null, got {v!r}")
+    """`policy.from_json` with its errors as AdapterFormatError (the adapter readers' error type)."""
     try:
-        return PositionPolicy(mode=data["mode"], first_k=data.get("first_k"), last_k=data.get("last_k"))
+        return position_policy.from_json(data, where)
     except ValueError as e:
-        raise AdapterFormatError(f"{where}: invalid position policy: {e}") from e
+        raise AdapterFormatError(str(e)) from None
 
 
 def _read_policy_sidecar(folder: pathlib.Path) -> PositionPolicy | None:
@@ -357,12 +350,28 @@ def _fmt_list(items: list[str], n: int = 5) -> str:
     return ", ".join(repr(s) for s in items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
+def _alora_policy(tokens: Any, model_config: ModelConfig, where: str) -> PositionPolicy | None:
+    """adapter_config.json's `alora_invocation_tokens` -> the activated policy (None when absent)."""
+    if tokens is None:
+        return None
+    if (not isinstance(tokens, list) or not tokens
+            or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens)):
+        raise AdapterFormatError(f"{where}: alora_invocation_tokens must be a non-empty list of token ids, "
+                                 f"got {tokens!r}"[:400])
+    bad = [t for t in tokens if not 0 <= t < model_config.vocab_size]
+    if bad:
+        raise AdapterFormatError(f"{where}: alora_invocation_tokens {bad[:5]} are outside this model's vocabulary "
+                                 f"(0..{model_config.vocab_size - 1})")
+    return PositionPolicy.activated(tokens)
+
+
 # ------------------------------------------------------------------------------------------- load
 def load_peft_lora(folder: str | os.PathLike, model_config: ModelConfig,
                    policy: PositionPolicy | None = None) -> LoraWeights:
     """LoraWeights (canonical, float32, stacked over all layers) from an HF PEFT LoRA adapter folder.
 
-    `policy` overrides the position policy; when None, the `preft_policy.json` sidecar is used if
+    `policy` overrides the position policy; when None, an aLoRA adapter (`alora_invocation_tokens` in
+    adapter_config.json) gets its activated policy, others the `preft_policy.json` sidecar's if
     present, else PositionPolicy() (prefill mode).
     Raises AdapterFileNotFoundError / AdapterFormatError (ValueError) for missing or malformed files
     and UnsupportedAdapterError (also NotImplementedError) for PEFT features preft_jax lacks.
@@ -407,10 +416,10 @@ def load_peft_lora(folder: str | os.PathLike, model_config: ModelConfig,
         raise UnsupportedAdapterError(f"{where}: modules_to_save={cfg['modules_to_save']!r} is not supported "
                                       f"(only LoRA A/B tensors can be loaded)")
     for key, what in (("layer_replication", "layer replication"), ("target_parameters", "parameter targeting"),
-                      ("trainable_token_indices", "trainable tokens"),
-                      ("alora_invocation_tokens", "activated LoRA (aLoRA)")):
+                      ("trainable_token_indices", "trainable tokens")):
         if cfg.get(key):
             raise UnsupportedAdapterError(f"{where}: {key} ({what}) is not supported")
+    alora = _alora_policy(cfg.get("alora_invocation_tokens"), model_config, where)
 
     # ---- tensors: parse names first (the module prefix they use decides what the config matches)
     tensors = _read_safetensors(st_path)
@@ -482,7 +491,14 @@ def load_peft_lora(folder: str | os.PathLike, model_config: ModelConfig,
     layer_set = sorted({i for i, _ in targeted})
     layers = None if layer_set == list(range(n_layers)) else tuple(layer_set)
     if policy is None:
-        policy = _read_policy_sidecar(path) or PositionPolicy()
+        sidecar = _read_policy_sidecar(path)
+        if alora is not None and sidecar is not None and sidecar != alora:
+            raise AdapterFormatError(f"{path / POLICY_NAME} holds position policy {sidecar.describe()!r}, but "
+                                     f"{where} makes it an aLoRA adapter ({alora.describe()})")
+        if alora is None and sidecar is not None and sidecar.mode == "activated":
+            raise AdapterFormatError(f"{path / POLICY_NAME} holds an activated policy, but {where} has no "
+                                     f"alora_invocation_tokens (PEFT would load it as a plain LoRA)")
+        policy = alora or sidecar or PositionPolicy()
     alpha = float(alpha)
     config = LoraConfig(rank=r, alpha=alpha, targets=targets, layers=layers, use_rslora=use_rslora, policy=policy)
     return LoraWeights(config=config, A=A, B=B)
@@ -554,6 +570,8 @@ def save_peft_lora(folder: str | os.PathLike, weights: LoraWeights, model_config
         "alpha_pattern": {},
         "init_lora_weights": True,
     }
+    if cfg.policy.mode == "activated":         # PEFT's own aLoRA field: PEFT loads the folder as aLoRA
+        adapter_config["alora_invocation_tokens"] = list(cfg.policy.invocation_tokens)
     _write_safetensors(path / PEFT_WEIGHTS_NAME, tensors)
     _write_json(path / PEFT_CONFIG_NAME, adapter_config)
     _write_policy_sidecar(path, cfg.policy)

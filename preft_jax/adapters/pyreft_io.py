@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from preft_jax.adapters.config import PositionPolicy, ReftConfig, ReftWeights
+from preft_jax.adapters.config import ReftConfig, ReftWeights
+from preft_jax.adapters.policy import PositionPolicy
 from preft_jax.adapters.peft_io import (AdapterFileNotFoundError, AdapterFormatError, UnsupportedAdapterError,
                                         _check_folder, _read_json, _write_json)
 from preft_jax.adapters.torch_pickle import TorchFileError, load_torch_file, save_torch_file
@@ -85,6 +86,8 @@ def parse_positions(spec: str | PositionPolicy) -> PositionPolicy:
 
 def positions_string(policy: PositionPolicy) -> str:
     """Inverse of parse_positions."""
+    if policy.mode == "activated":
+        raise ValueError("pyreft has no activated (invocation-triggered) positions; save it with save_reft")
     if policy.mode == "all":
         return "all"
     if policy.first_k is None and policy.last_k is None:

@@ -15,7 +15,8 @@ import pathlib
 
 import numpy as np
 
-from preft_jax.adapters.config import REFT_KINDS, LoraWeights, PositionPolicy, ReftConfig, ReftWeights
+from preft_jax.adapters.config import REFT_KINDS, LoraWeights, ReftConfig, ReftWeights
+from preft_jax.adapters.policy import PositionPolicy
 from preft_jax.adapters.peft_io import (PEFT_CONFIG_NAME, AdapterFileNotFoundError, AdapterFormatError,
                                         _as_int, _check_folder, _policy_from_json, _policy_to_json, _read_json,
                                         _read_safetensors, _write_json, _write_safetensors, load_peft_lora)

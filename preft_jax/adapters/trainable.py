@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preft_jax.adapters.bank import AdapterBank, policy_arrays
-from preft_jax.adapters.config import LoraConfig, LoraWeights, PositionPolicy, ReftConfig, ReftWeights
+from preft_jax.adapters.bank import AdapterBank
+from preft_jax.adapters.config import LoraConfig, LoraWeights, ReftConfig, ReftWeights
+from preft_jax.adapters.policy import PolicyTable, PositionPolicy
 from preft_jax.config import PROJECTION_AXES, ModelConfig
 
 
@@ -31,9 +32,8 @@ def _layer_mask(cfg: ModelConfig, layers) -> np.ndarray:
     return mask
 
 
-def _policy(policy: PositionPolicy):
-    at, fk, lk = policy_arrays([PositionPolicy(), policy])
-    return jnp.asarray(at), jnp.asarray(fk), jnp.asarray(lk)
+def _policy(policy: PositionPolicy) -> PolicyTable:
+    return PolicyTable.encode([PositionPolicy(), policy])
 
 
 def _with_base_slot(x):
@@ -74,7 +74,7 @@ def lora_bank(cfg: ModelConfig, config: LoraConfig, params: dict) -> AdapterBank
     mask = jnp.asarray(_layer_mask(cfg, config.layers))[:, None, None]
     A = {t: _with_base_slot(params["A"][t] * mask) for t in config.targets}
     B = {t: _with_base_slot(params["B"][t] * mask * config.scale) for t in config.targets}
-    return AdapterBank(A, B, None, None, None, None, *_policy(config.policy))
+    return AdapterBank(A, B, None, None, None, None, _policy(config.policy))
 
 
 def lora_weights(config: LoraConfig, params: dict, cfg: ModelConfig) -> LoraWeights:
@@ -123,7 +123,7 @@ def reft_bank(cfg: ModelConfig, config: ReftConfig, params: dict) -> AdapterBank
     R, W, b = effective_reft(cfg, config, params)
     subtract = jnp.asarray([0.0, 1.0 if config.kind == "loreft" else 0.0], R.dtype)
     return AdapterBank({}, {}, _with_base_slot(R), _with_base_slot(W), _with_base_slot(b), subtract,
-                       *_policy(config.policy))
+                       _policy(config.policy))
 
 
 def reft_weights(config: ReftConfig, params: dict, cfg: ModelConfig) -> ReftWeights:
