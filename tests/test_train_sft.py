@@ -201,3 +201,42 @@ def test_config_and_cli():
     assert (a.adapter, a.rank, a.mode, a.steps) == ("reft", 4, "all", 3)
     with pytest.raises(ValueError):
         AdapterSpec(rank=4, mode="decode")
+
+
+def test_activated_config_invocation_flag_and_starts():
+    from preft_jax.adapters.policy import MissingInvocationError, PositionPolicy
+    from train import cli
+    from train.grpo import GRPOConfig
+    from train.sft import config_from_args
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) for c in text]
+    assert cli.invocation_ids(None) is None
+    assert cli.invocation_ids("12,34") == (12, 34) and cli.invocation_ids(" [7] ") == (7,)
+    assert cli.invocation_ids("2024", Tok()) == (50, 48, 50, 52)          # a bare number is text
+    assert cli.invocation_ids("<check>", None) == (0,)                    # placeholder until the tokenizer loads
+    a = _parse(["--mode", "activated", "--invocation", "3,4"])
+    spec = config_from_args(a).adapter
+    assert spec.invocation == (3, 4) and spec.build(CFG).policy == PositionPolicy.activated([3, 4])
+    assert config_from_args(_parse(["--mode", "activated", "--invocation", "ab"]), Tok()).adapter.invocation == (97, 98)
+    assert SFTConfig.from_json(SFTConfig(adapter=spec).to_json()).adapter == spec
+    for kwargs, msg in ((dict(mode="activated"), "mode 'activated' needs an invocation sequence (--invocation TEXT or ids)"),
+                        (dict(invocation=(1,)), "an invocation sequence belongs to mode 'activated', not 'prefill'"),
+                        (dict(mode="activated", invocation=(1, -1)), "invocation_tokens must be token ids")):
+        with pytest.raises(ValueError) as e:
+            AdapterSpec(**kwargs)
+        assert str(e.value).startswith(msg), str(e.value)
+    with pytest.raises(ValueError) as e:
+        AdapterSpec(mode="activated", invocation=(3, 999)).build(CFG)
+    assert str(e.value) == "invocation token 999 is outside the model's vocabulary (0..255)"
+    with pytest.raises(ValueError, match="GRPO trains prefill or all-token adapters; mode 'activated' .aLoRA. is "
+                                         "trained by train.sft"):
+        GRPOConfig(adapter=AdapterSpec(mode="activated", invocation=(3,)))
+    b = pad_batch([[5, 3, 4, 6], [3, 4, 9, 3, 4]], [[7], [8, 8]], length=8)
+    policy = PositionPolicy.activated([3, 4])
+    assert batch_arrays(b, policy)["adapter_starts"].tolist() == [1, 3]
+    assert "adapter_starts" not in batch_arrays(b)
+    bad = pad_batch([[5, 3, 6]], [[3, 4]], length=8)                     # in the response only: not in the prompt
+    with pytest.raises(MissingInvocationError, match=r"adapter being trained \(batch row 0\);"):
+        batch_arrays(bad, policy)
