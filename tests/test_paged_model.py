@@ -27,8 +27,8 @@ def _bank(mode):
 
 
 class Seq:
-    def __init__(self, tokens, plen, slot, rng, free):
-        self.tokens, self.plen, self.slot = tokens, plen, slot
+    def __init__(self, tokens, plen, slot, rng, free, start=0):
+        self.tokens, self.plen, self.slot, self.start = tokens, plen, slot, start   # start: activated rows
         self.done = 0
         self.blocks = []
         self.free = free
@@ -56,6 +56,7 @@ def _run(runner, bank, seqs, rng, chunk_sizes):
         widx = np.full((R, C), NB * BS, np.int32)
         ids = np.zeros(R, np.int32)
         plens = np.ones(R, np.int32)
+        starts = np.zeros(R, np.int32)
         for r, i in enumerate(rows):
             s = seqs[i]
             n = min(C, len(s.tokens) - s.done)
@@ -66,10 +67,11 @@ def _run(runner, bank, seqs, rng, chunk_sizes):
             for j in range(n):
                 p = s.done + j
                 widx[r, j] = s.blocks[p // BS] * BS + p % BS
-            ids[r], plens[r] = s.slot, s.plen
+            ids[r], plens[r], starts[r] = s.slot, s.plen, s.start
         batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx))
         logits, cache = paged_logits(runner.graphdef, runner.state, jnp.asarray(tokens), batch, cache, bank,
-                                     None if bank is None else jnp.asarray(ids), jnp.asarray(plens))
+                                     None if bank is None else jnp.asarray(ids), jnp.asarray(plens),
+                                     jnp.asarray(starts))
         for r, i in enumerate(rows):
             s = seqs[i]
             s.done += int(clen[r])
@@ -96,6 +98,43 @@ def test_paged_chunks_match_full_recompute(mode):
     s = seqs[1]
     base = np.asarray(sequence_logits(runner.graphdef, runner.state, jnp.asarray([s.tokens]), jnp.asarray([s.plen])))[0]
     assert np.abs(base[got[1][-1][0]] - got[1][-1][1]).max() > 1e-3
+
+
+def test_paged_chunks_with_activated_rows_match_full_recompute():
+    """Activated (aLoRA) rows beside PreFT and base rows: each row's activation start travels with it
+    through prefill chunks at any offset and decode rows (adapter on generated tokens, PreFT on base)."""
+    from preft_jax.adapters.policy import activation_starts
+    rng = np.random.default_rng(1)
+    runner = ModelRunner(Llama.from_params(CFG, random_params(CFG, seed=0)))
+    inv = [7, 8, 9]
+    bank = build_bank(CFG, [random_lora(CFG, 1, policy=PositionPolicy.activated(inv)),
+                            random_lora(CFG, 2, policy=PositionPolicy()),
+                            random_reft(CFG, 3, policy=PositionPolicy.activated([5]))])
+    free = list(rng.permutation(np.arange(1, NB)))
+    specs = ((25, 14, 1, 6), (19, 9, 2, None), (22, 12, 3, 10), (14, 8, 0, None), (20, 16, 1, 13))
+    seqs = []
+    for n, plen, slot, at in specs:
+        toks = rng.integers(10, CFG.vocab_size, n).tolist()
+        if at is not None:
+            seq_inv = inv if slot == 1 else [5]
+            toks[at:at + len(seq_inv)] = seq_inv
+        seqs.append(Seq(toks, plen, slot, rng, free))
+    starts = activation_starts(bank, [s.slot for s in seqs], [s.tokens[:s.plen] for s in seqs])
+    assert starts.tolist() == [6, 0, 10, 0, 13]
+    for s, st in zip(seqs, starts):
+        s.start = int(st)
+    got = _run(runner, bank, seqs, rng, chunk_sizes=(1, 1, 3, 8))
+    for i, s in enumerate(seqs):
+        want = np.asarray(sequence_logits(runner.graphdef, runner.state, jnp.asarray([s.tokens]),
+                                          jnp.asarray([s.plen]), bank, jnp.asarray([s.slot]),
+                                          jnp.asarray([s.start])))[0]
+        for pos, lg in got[i]:
+            np.testing.assert_allclose(lg, want[pos], rtol=2e-4, atol=2e-4)
+    # the start matters: the same row activated from position 0 gives other logits
+    s = seqs[0]
+    other = np.asarray(sequence_logits(runner.graphdef, runner.state, jnp.asarray([s.tokens]), jnp.asarray([s.plen]),
+                                       bank, jnp.asarray([1]), jnp.asarray([0])))[0]
+    assert np.abs(other[got[0][-1][0]] - got[0][-1][1]).max() > 1e-3
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
