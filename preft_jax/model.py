@@ -328,17 +328,15 @@ class Llama(nnx.Module):
                 raise ValueError("the paged-attention kernels decode one token per row (C == 1)")
             platform = batch.attention.split(":", 1)[1]
 
-            def attend(lx, q, k, v, c):
-                _, (kl, vl) = lx
-                kl = paged_kv.write_layer(kl, k, batch.write_index)
-                vl = paged_kv.write_layer(vl, v, batch.write_index)
-                out = paged_kv.kernel_decode_attention(q[:, 0], kl, vl, batch.block_tables,
+            def attend(layer, q, k, v, c):              # c: the whole pool, carried and written in place
+                c = PagedKVCache(paged_kv.write_token_layer(c.k, layer, k, batch.write_index),
+                                 paged_kv.write_token_layer(c.v, layer, v, batch.write_index))
+                out = paged_kv.kernel_decode_attention(q[:, 0], c.k, c.v, layer, batch.block_tables,
                                                        batch.context_lens + batch.chunk_lens, platform)
-                return out[:, None], c, (kl, vl)
+                return out[:, None], c
 
-            h, _, (k_new, v_new) = self._scan_layers(h, bank, ctx, positions, attend, None,
-                                                     layer_xs=(cache.k, cache.v), with_ys=True, dense=dense)
-            return h, self._constrain_cache(PagedKVCache(k_new, v_new))
+            h, cache = self._scan_layers(h, bank, ctx, positions, attend, cache, dense=dense)
+            return h, self._constrain_cache(cache)
 
         def attend(layer, q, k, v, c):
             out = paged_kv.gather_attention(q, k, v, cache.k, cache.v, batch, layer)

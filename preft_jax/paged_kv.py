@@ -16,10 +16,14 @@ Attention backends (`PagedBatch.attention`, static):
   from the pool, concatenates the chunk's own new K/V, and emits the new K/V; they are written into
   the pool once, after the layer scan (`write_kv`). Work follows the block-table width, which the
   engine buckets to the longest live sequence.
-* "kernel:tpu" / "kernel:gpu" (decode, C == 1): each layer's pool slice is scanned through; the new
-  K/V are written into it and jax's Pallas paged-attention kernel (`ops.tpu.paged_attention` /
-  `ops.gpu.paged_attention`) reads the sequence's pages. `choose_attention` falls back to "gather"
-  for shapes the kernels cannot take.
+* "kernel:tpu" / "kernel:gpu" (decode, C == 1): the whole pool is carried through the layer scan;
+  each layer writes its new K/V into it in place (`write_token_layer`) and jax's Pallas
+  paged-attention kernel (`ops.tpu.paged_attention` / `ops.gpu.paged_attention`) reads the rows'
+  pages straight from the pool (`kernel_decode_attention`: no per-layer slice of the pool is
+  materialized, so a step moves the live context's bytes, not the pool's), splitting long
+  contexts over `k_splits` partitions on GPU (`decode_k_splits`). `choose_attention` falls back to
+  "gather" for shapes the kernels cannot take. Off their platform (CPU tests) both run the GPU
+  kernel in Pallas interpret mode.
 """
 from __future__ import annotations
 
@@ -122,14 +126,6 @@ def gather_attention(q, k_new, v_new, k_all, v_all, batch: PagedBatch, layer):
     return out.reshape(R, C, H, hd).astype(q.dtype)
 
 
-def write_layer(k_layer, new, write_index):
-    """[KV, NB, bs, hd] pool of one layer with new [R, C, KV, hd] written at flat write_index [R, C]."""
-    KV, NB, bs, hd = k_layer.shape
-    flat = k_layer.reshape(KV, NB * bs, hd)
-    vals = jnp.moveaxis(new.astype(k_layer.dtype), 2, 0).reshape(KV, -1, hd)
-    return flat.at[:, write_index.reshape(-1)].set(vals, mode="drop").reshape(KV, NB, bs, hd)
-
-
 def write_kv(cache: PagedKVCache, new_k, new_v, write_index) -> PagedKVCache:
     """The pool with every layer's new K/V [L, R, C, KV, hd] written at write_index [R, C] (one scatter)."""
     L, KV, NB, bs, hd = cache.k.shape
@@ -178,15 +174,75 @@ def _pages_per_block(pages_per_seq: int, cap: int = 8) -> int:
     return math.gcd(pages_per_seq, cap) or 1
 
 
-def kernel_decode_attention(q, k_layer, v_layer, block_tables, lengths, platform: str):
-    """q [R, H, hd] (one token per row, already in the pool); lengths = tokens to attend -> [R, H, hd]."""
-    hd = q.shape[-1]
-    qs = (q.astype(jnp.float32) * hd ** -0.5).astype(q.dtype)            # the kernels do not scale
-    ppb = _pages_per_block(block_tables.shape[1])
-    if platform == "tpu":
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-        return paged_attention(qs, k_layer, v_layer, lengths, block_tables, pages_per_compute_block=ppb)
+GPU_PROGRAMS_TARGET = 264      # ~2 waves of an H100/H200's 132 SMs: split K until the grid has this many programs
+
+
+def decode_k_splits(programs: int, pages_per_seq: int, pages_per_block: int,
+                    target: int = GPU_PROGRAMS_TARGET) -> int:
+    """Split-K partitions of the GPU paged-attention kernel: 1 when `programs` (rows x KV heads)
+    already fill the GPU, else the smallest power of two that brings the grid to `target` programs,
+    capped by the compute blocks per sequence (each partition must hold whole compute blocks). Long
+    contexts at small batch (B=1, 2048 tokens: 8 programs) are then read by many SMs at once."""
+    blocks = max(1, pages_per_seq // pages_per_block)
+    k = 1
+    while programs * k < target and blocks % (2 * k) == 0:
+        k *= 2
+    return k
+
+
+def write_token_layer(pool, layer, new, write_index):
+    """The whole pool [L, KV, NB, bs, hd] with layer `layer`'s new K (or V) [R, C, KV, hd] written at
+    flat write_index [R, C] (>= NB * bs: dropped). Inside the layer scan on the carried pool this is
+    an in-place scatter: no copy of the pool or of the layer's slice."""
+    L, KV, NB, bs, hd = pool.shape
+    flat = pool.reshape(L, KV, NB * bs, hd)
+    vals = new.astype(pool.dtype).reshape(-1, KV, hd)     # [R * C, KV, hd]: the indexed dims lead
+    return flat.at[layer, :, write_index.reshape(-1)].set(vals, mode="drop").reshape(pool.shape)
+
+
+def _gpu_kernel(q, k_pages, v_pages, tables, lengths, ppb, k_splits, interpret):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-    groups = q.shape[1] // k_layer.shape[0]
-    return paged_attention(qs, k_layer, v_layer, block_tables, lengths, block_h=16,
-                           pages_per_compute_block=ppb, k_splits=1)
+    return paged_attention(q, k_pages, v_pages, tables, lengths, block_h=16, pages_per_compute_block=ppb,
+                           k_splits=k_splits, interpret=interpret)
+
+
+def _tpu_kernel(q, k_pages, v_pages, tables, lengths, ppb):
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    return paged_attention(q, k_pages, v_pages, lengths, tables, pages_per_compute_block=ppb)
+
+
+def kernel_decode_attention(q, k_pool, v_pool, layer, block_tables, lengths, platform: str,
+                            k_splits: int | None = None):
+    """q [R, H, hd] (one token per row, already written to the pool); k_pool, v_pool the whole pool
+    [L, KV, NB, bs, hd]; layer: the (traced) layer index; lengths = tokens to attend -> [R, H, hd].
+
+    The pool is viewed, without a copy, as one KV head of L * KV * NB pages (a reshape), and each
+    (row, KV head) pair becomes one kernel row whose block table is the row's, offset to that
+    layer's and head's pages: the kernel reads the pages in place, whatever the layer. Its G = H / KV
+    query heads are that row's group (head h uses KV head h // G, as in `gather_attention`).
+
+    platform "gpu": jax's Triton kernel, split-K by `decode_k_splits` unless `k_splits` is given;
+    "tpu": jax's Mosaic kernel. Lowered for another platform (CPU tests) it runs the GPU kernel in
+    Pallas interpret mode."""
+    L, KV, NB, bs, hd = k_pool.shape
+    R, H, _ = q.shape
+    G = H // KV
+    nb = block_tables.shape[1]
+    ppb = _pages_per_block(nb)
+    if k_splits is None:
+        k_splits = decode_k_splits(R * KV, nb, ppb) if platform != "tpu" else 1
+    qs = (q.astype(jnp.float32) * hd ** -0.5).astype(q.dtype)            # the kernels do not scale
+    qs = qs.reshape(R * KV, G, hd)
+    base = (layer * KV + jnp.arange(KV, dtype=jnp.int32)) * NB             # first page of (layer, head)
+    tables = (block_tables[:, None, :].astype(jnp.int32) + base[None, :, None]).reshape(R * KV, nb)
+    lens = jnp.repeat(lengths.astype(jnp.int32), KV)
+    kp = k_pool.reshape(1, L * KV * NB, bs, hd)
+    vp = v_pool.reshape(1, L * KV * NB, bs, hd)
+    args = (qs, kp, vp, tables, lens)
+    interp = functools.partial(_gpu_kernel, ppb=ppb, k_splits=k_splits, interpret=True)
+    if platform == "tpu":
+        out = jax.lax.platform_dependent(*args, tpu=functools.partial(_tpu_kernel, ppb=ppb), default=interp)
+    else:
+        gpu = functools.partial(_gpu_kernel, ppb=ppb, k_splits=k_splits, interpret=False)
+        out = jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=interp)
+    return out.reshape(R, H, hd)

@@ -22,6 +22,9 @@ top-k), computed on the device; only K values per token reach the host.
 own key folded with the index of the token being sampled (seeded requests are reproducible whatever
 shares their batch).
 
+`paged_decode_steps` runs N decode steps in one call (a device-side loop feeding each step's
+tokens to the next; no host sync between them).
+
 Decode is C == 1 (adapter gather layout); prefill chunks are C > 1 (grouped layout). Adapters act
 per token by the same position policy as everywhere (`policy.token_adapter_index` with absolute
 positions; `adapter_starts` int32 [R] gives activated (aLoRA) rows their activation start), so a
@@ -107,6 +110,52 @@ def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache,
 
 _STATIC = ("logprobs", "prompt_logprobs", "return_logits")
 paged_step = jax.jit(_paged_step, static_argnums=0, static_argnames=_STATIC, donate_argnames=("cache",))
+
+
+def decode_advance(batch: PagedBatch, block_size: int, num_blocks: int, steps) -> PagedBatch:
+    """The decode batch (C == 1) `steps` tokens later: context lengths + steps and the write index of
+    each row's new position looked up in its block table (dropped - pool size num_blocks * block_size
+    - for padding rows and for positions past the table). Block tables are unchanged: they must
+    already name the blocks of every position the steps reach."""
+    nb = batch.block_tables.shape[1]
+    pos = batch.context_lens + steps
+    idx = pos // block_size
+    blk = jnp.take_along_axis(batch.block_tables, jnp.clip(idx, 0, nb - 1)[:, None], axis=1)[:, 0]
+    valid = (batch.chunk_lens > 0) & (idx < nb)
+    widx = jnp.where(valid, blk * block_size + pos % block_size, num_blocks * block_size)
+    return PagedBatch(batch.block_tables, pos, batch.chunk_lens, widx[:, None].astype(jnp.int32), batch.attention)
+
+
+def _paged_decode_steps(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids,
+                        prompt_lengths, temperature, top_p, top_k, key, *, num_steps: int):
+    def one(carry, i):
+        tok, cache = carry
+        b = decode_advance(batch, cache.block_size, cache.num_blocks, i)
+        step_key = (key[0], key[1] + i) if isinstance(key, tuple) else jax.random.fold_in(key, i)
+        nxt, cache = _paged_step(graphdef, state, tok, b, cache, bank, adapter_ids, prompt_lengths,
+                                 temperature, top_p, top_k, step_key)
+        return (nxt[:, None], cache), nxt
+
+    (_, cache), toks = jax.lax.scan(one, (tokens, cache), jnp.arange(num_steps, dtype=jnp.int32))
+    return jnp.swapaxes(toks, 0, 1), cache
+
+
+paged_decode_steps = jax.jit(_paged_decode_steps, static_argnums=0, static_argnames=("num_steps",),
+                             donate_argnames=("cache",))
+paged_decode_steps.__doc__ = """`num_steps` decode steps in one call, with no host round trip between them:
+
+    tokens, cache = paged_decode_steps(graphdef, state, tokens, batch, cache, bank, adapter_ids,
+                                       prompt_lengths, temperature, top_p, top_k, key, num_steps=N)
+
+tokens int32 [R, 1] and `batch` (C == 1) describe the first step as for `paged_step`; step i
+(0-based) feeds step i - 1's sampled tokens, at positions context_lens + i, its K/V written where
+the block tables place that position (`decode_advance`; batch.write_index is recomputed that way,
+so the caller allocates blocks for all N positions first). `key` is one key (step i draws with fold_in(key, i)) or (key_data [R, 2],
+counters [R]) (step i uses counters + i: the same draws as N `paged_step` calls with the counters
+advanced). Returns (tokens int32 [R, N], cache); the pool is donated and updated in place. Rows
+keep decoding after a stop token (the host truncates: no device-side stop check), so N should be
+small (the engine's scheduler steps). Greedy or sampled, adapters as in `paged_step` (a bank in the
+all-token baseline; None for PreFT and base decode). The native CPU decode is not used here."""
 
 
 def sharded_paged_step(mesh: jax.sharding.Mesh, cache_shardings: PagedKVCache):

@@ -140,11 +140,11 @@ def test_paged_chunks_with_activated_rows_match_full_recompute():
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_paged_decode_kernels_lower(platform, dtype):
-    R, H, KV, hd, nblocks, bs, nb = 8, 32, 8, 128, 256, 16, 16         # a Llama-3.1-8B layer
-    args = (jax.ShapeDtypeStruct((R, H, hd), dtype), jax.ShapeDtypeStruct((KV, nblocks, bs, hd), dtype),
-            jax.ShapeDtypeStruct((KV, nblocks, bs, hd), dtype), jax.ShapeDtypeStruct((R, nb), jnp.int32),
+    L, R, H, KV, hd, nblocks, bs, nb = 2, 8, 32, 8, 128, 256, 16, 16   # Llama-3.1-8B layers (the whole pool)
+    args = (jax.ShapeDtypeStruct((R, H, hd), dtype), jax.ShapeDtypeStruct((L, KV, nblocks, bs, hd), dtype),
+            jax.ShapeDtypeStruct((L, KV, nblocks, bs, hd), dtype), jax.ShapeDtypeStruct((R, nb), jnp.int32),
             jax.ShapeDtypeStruct((R,), jnp.int32))
     variant = "tpu" if platform == "tpu" else "gpu"
-    f = jax.jit(lambda q, k, v, bt, n: kernel_decode_attention(q, k, v, bt, n, variant))
+    f = jax.jit(lambda q, k, v, bt, n: kernel_decode_attention(q, k, v, 1, bt, n, variant))
     text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text.lower())

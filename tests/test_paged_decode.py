@@ -1,0 +1,181 @@
+"""Decode as the GPU/TPU would run it, checked on CPU:
+
+* `paged_decode_steps` (N decode steps in one call, no host sync) gives exactly the tokens and KV
+  pool of N `paged_step` calls, greedy and sampled with per-row keys, a padding row included;
+* the paged-attention kernel path (the whole pool read in place, split-K; the GPU kernel runs in
+  Pallas interpret mode here) matches the gather path;
+* the Llama-3.1-8B-shaped bf16 decode step at B=64 (one step and N steps) lowers for cuda and tpu
+  with its kernel, and the KV pool is donated (every pool input aliases an output)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from preft_jax.config import ModelConfig, tiny_config
+from preft_jax.generation import ModelRunner
+from preft_jax.model import Llama
+from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention, decode_k_splits
+from preft_jax.paged_step import decode_advance, paged_decode_steps, paged_step
+from reference_llama import random_params
+
+CFG = tiny_config()
+BS = 16
+
+
+def _runner(cfg=CFG):
+    return ModelRunner(Llama.from_params(cfg, random_params(cfg, seed=3)))
+
+
+def _decode_setup(cfg, R, ctx, steps, seed=0, pad_rows=1, attention="gather"):
+    """R rows (the last `pad_rows` of them padding) with `ctx` random cached tokens each, block tables
+    covering ctx + steps positions; the pool filled with random K/V. Returns (tokens, batch, cache)."""
+    rng = np.random.default_rng(seed)
+    nb = -(-(ctx + steps) // BS)
+    NB = R * nb + 1
+    perm = rng.permutation(np.arange(1, NB))
+    bt = np.zeros((R, nb), np.int32)
+    live = R - pad_rows
+    bt[:live] = perm[:live * nb].reshape(live, nb)
+    ctx_lens = np.where(np.arange(R) < live, ctx - np.arange(R), 0).astype(np.int32)   # ragged contexts
+    clen = (np.arange(R) < live).astype(np.int32)
+    widx = np.full((R, 1), NB * BS, np.int32)
+    for r in range(live):
+        p = ctx_lens[r]
+        widx[r, 0] = bt[r, p // BS] * BS + p % BS
+    shape = (cfg.n_layers, cfg.n_kv_heads, NB, BS, cfg.head_dim)
+    cache = PagedKVCache(jnp.asarray(rng.normal(size=shape), jnp.float32), jnp.asarray(rng.normal(size=shape),
+                                                                                       jnp.float32))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (R, 1)), jnp.int32)
+    batch = PagedBatch(jnp.asarray(bt), jnp.asarray(ctx_lens), jnp.asarray(clen), jnp.asarray(widx), attention)
+    return tokens, batch, cache
+
+
+def _sampling(R, temperature):
+    rng = np.random.default_rng(7)
+    key_data = jnp.asarray(rng.integers(0, 2 ** 32, (R, 2), dtype=np.uint64).astype(np.uint32))
+    return (jnp.full((R,), temperature, jnp.float32), jnp.full((R,), 0.9, jnp.float32), jnp.zeros((R,), jnp.int32),
+            key_data, jnp.asarray(rng.integers(0, 50, R), jnp.int32))
+
+
+def _single_steps(runner, tokens, batch, cache, samp, n):
+    temp, top_p, top_k, key_data, counters = samp
+    out = []
+    for i in range(n):
+        b = decode_advance(batch, cache.block_size, cache.num_blocks, i)
+        tokens, cache = paged_step(runner.graphdef, runner.state, tokens, b, cache, None, None,
+                                   jnp.ones_like(counters), temp, top_p, top_k, (key_data, counters + i))
+        out.append(np.asarray(tokens))
+        tokens = tokens[:, None]
+    return np.stack(out, 1), cache
+
+
+def _copy(cache):
+    return jax.tree.map(lambda x: x.copy(), cache)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_steps_equal_single_steps(temperature):
+    runner = _runner()
+    R, N = 4, 5
+    tokens, batch, cache = _decode_setup(CFG, R, ctx=21, steps=N)
+    samp = _sampling(R, temperature)
+    want, want_cache = _single_steps(runner, tokens, batch, _copy(cache), samp, N)
+    temp, top_p, top_k, key_data, counters = samp
+    got, got_cache = paged_decode_steps(runner.graphdef, runner.state, tokens, batch, cache, None, None,
+                                        jnp.ones_like(counters), temp, top_p, top_k, (key_data, counters),
+                                        num_steps=N)
+    assert got.shape == (R, N) and got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(want_cache.k), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_cache.v), np.asarray(want_cache.v), rtol=1e-6, atol=1e-6)
+    # the steps really advance: every live row wrote N new positions (the pool changed there only)
+    assert len(set(map(tuple, want[:R - 1]))) > 1
+
+
+def test_decode_advance_write_index():
+    bt = jnp.asarray([[5, 7, 0], [2, 0, 0]], jnp.int32)
+    b = PagedBatch(bt, jnp.asarray([15, 3], jnp.int32), jnp.asarray([1, 0], jnp.int32),
+                   jnp.zeros((2, 1), jnp.int32))
+    a = decode_advance(b, 16, 10, 1)          # row 0: position 16 -> block 7 offset 0; row 1: padding
+    np.testing.assert_array_equal(np.asarray(a.write_index), [[7 * 16], [160]])
+    np.testing.assert_array_equal(np.asarray(a.context_lens), [16, 4])
+    far = decode_advance(b, 16, 10, 40)      # past the table: dropped
+    assert int(far.write_index[0, 0]) == 160
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_kernel_attention_matches_gather(platform):
+    """The kernel path (GPU kernel interpreted on CPU: both platforms' default branch) against the
+    gather path, logits and pool; rows of ragged contexts over 16 pages, so split-K runs (k = 2)."""
+    cfg = tiny_config(n_layers=2)
+    runner = _runner(cfg)
+    tokens, batch, cache = _decode_setup(cfg, R=3, ctx=250, steps=1, seed=1)
+    assert batch.block_tables.shape[1] == 16 and decode_k_splits(3 * cfg.n_kv_heads, 16, 8) == 2
+    kern = PagedBatch(batch.block_tables, batch.context_lens, batch.chunk_lens, batch.write_index,
+                      f"kernel:{platform}")
+    model = nnx.merge(runner.graphdef, runner.state)
+    f = jax.jit(lambda t, b, c: model.forward_paged(t, b, c))
+    h_ref, c_ref = f(tokens, batch, _copy(cache))
+    h, c = f(tokens, kern, _copy(cache))
+    live = np.asarray(batch.chunk_lens) > 0
+    np.testing.assert_allclose(np.asarray(h)[live], np.asarray(h_ref)[live], rtol=2e-4, atol=2e-4)
+    for got, want in ((c.k, c_ref.k), (c.v, c_ref.v)):     # layer 0's new K/V exact, later layers' close
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+    assert not np.array_equal(np.asarray(c.k), np.asarray(cache.k))          # the new K/V were written
+    # the comparison sees the cached context: without it the hidden states differ
+    no_ctx = PagedBatch(kern.block_tables, kern.context_lens * 0, kern.chunk_lens, kern.write_index, kern.attention)
+    h0, _ = f(tokens, no_ctx, _copy(cache))
+    assert np.abs(np.asarray(h0)[live] - np.asarray(h)[live]).max() > 1e-2
+
+
+def test_k_splits_choice():
+    # B=64 x 8 KV heads fill an H200: no split; B=1 at 2048 tokens (128 pages of 16, blocks of 8): 16 splits
+    assert decode_k_splits(64 * 8, 128, 8) == 1
+    assert decode_k_splits(1 * 8, 128, 8) == 16
+    assert decode_k_splits(16 * 8, 128, 8) == 4
+    assert decode_k_splits(8, 8, 8) == 1              # one compute block per sequence: nothing to split
+
+
+LLAMA_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                       ffn_dim=14336, rope_theta=5e5, rms_eps=1e-5, tie_embeddings=False, max_seq_len=4096)
+MARKERS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+def _abstract_decode(cfg, R, ctx, platform, steps=None):
+    """Lowered (not compiled) bf16 decode of R rows at context ctx for `platform`, from shapes only."""
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, adapter_backend="xla"))
+    graphdef, state = nnx.split(model)
+    nb = -(-(ctx + (steps or 1)) // BS)
+    NB = R * nb + 1
+    sds = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    pool = sds((cfg.n_layers, cfg.n_kv_heads, NB, BS, cfg.head_dim), jnp.bfloat16)
+    batch = PagedBatch(sds((R, nb), i32), sds((R,), i32), sds((R,), i32), sds((R, 1), i32),
+                       choose_attention(cfg, BS, "gpu" if platform == "cuda" else platform))
+    f32 = sds((R,), jnp.float32)
+    args = (graphdef, state, sds((R, 1), i32), batch, PagedKVCache(pool, pool), None, None, sds((R,), i32),
+            f32, f32, sds((R,), i32), (sds((R, 2), jnp.uint32), sds((R,), i32)))
+    fn = paged_step if steps is None else paged_decode_steps
+    kw = {} if steps is None else {"num_steps": steps}
+    return batch.attention, fn.trace(*args, **kw).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _main_signature(text):
+    return re.search(r"func\.func public @main\((.*?)\)\s*->", text, re.S).group(1)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("steps", [None, 4])
+def test_llama8b_decode_lowers_with_kernel_and_donated_pool(platform, steps):
+    attention, text = _abstract_decode(LLAMA_8B, 64, 2048, platform, steps)
+    assert attention == ("kernel:gpu" if platform == "cuda" else "kernel:tpu")
+    assert MARKERS[platform] in text
+    assert text.count(MARKERS[platform]) >= 1
+    sig = _main_signature(text)
+    pool_args = [a for a in sig.split("%arg")[1:] if "32x8x" in a and "bf16" in a]
+    assert len(pool_args) == 2, sig[:2000]                        # k and v pools
+    assert all("tf.aliasing_output" in a for a in pool_args)      # donated: updated in place
