@@ -185,7 +185,7 @@ def lora_train_flops(s: Shape, batch: int, seq: int, targets, rank: int, logit_p
     attn = 4 * attention_pairs(batch, seq) * s.layers * s.q_dim
     fwd = 2 * proj * T + 2 * head + 2 * lora_p * T + attn
     bwd = 2 * proj * T + 2 * head + 4 * lora_p * T + 2 * attn
-    return dict(forward=fwd, backward=bwd, total=fwd + bwd, lora_params=lora_p, tokens=T)
+    return dict(forward=fwd, backward=bwd, total=fwd + bwd, lora_params=lora_p, tokens=T, head=2 * head)
 
 
 def table(bw: float, peak: float, nbytes: int, rank: int = 16, batches=(64, 512), contexts=(256, 1024)) -> list[str]:

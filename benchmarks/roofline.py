@@ -235,25 +235,41 @@ class Calls:
         return iters
 
 
-def time_round_robin(cases: dict, rounds: int, round_s: float, log=print, max_iters: int = 200) -> dict:
+def time_round_robin(cases: dict, rounds: int, round_s: float, log=print, max_iters: int = 200,
+                     deadline: float | None = None, failed: list | None = None) -> dict:
     """{name: case with setup(), __call__(iters) -> calls made, teardown()} -> {name: [s per call, per round]}.
 
     Each case is set up (its device arrays made) for its turn and torn down after, so the pools of
-    all cases need not fit at once; the first call of each compiles and sizes `iters` (untimed)."""
+    all cases need not fit at once; the first call of each compiles and sizes `iters` (untimed). A
+    case whose first calls raise is dropped (with `failed` given: listed there, else re-raised); no
+    round starts after `deadline` (time.perf_counter())."""
     iters = {}
-    for name, case in cases.items():
-        case.setup()
-        t0 = time.perf_counter()
-        case(1)
-        t_first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        n = case(1)
-        one = (time.perf_counter() - t0) / n
+    for name, case in list(cases.items()):
+        try:
+            case.setup()
+            t0 = time.perf_counter()
+            case(1)
+            t_first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            n = case(1)
+            one = (time.perf_counter() - t0) / n
+        except Exception as e:               # noqa: BLE001  (a variant that does not run here)
+            if failed is None:
+                raise
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            failed.append(f"{name}: FAIL {type(e).__name__}: {msg}")
+            log(f"  FAIL {name}: {type(e).__name__}: {msg}")
+            del cases[name]
+            continue
+        finally:
+            case.teardown()
         iters[name] = int(min(max_iters, max(1, round_s / max(one, 1e-6))))
         log(f"  warm {name}: first call {t_first:.2f} s, then {one * 1e3:.2f} ms; {iters[name]} per round")
-        case.teardown()
     out = {k: [] for k in cases}
     for r in range(rounds):
+        if r and deadline is not None and time.perf_counter() > deadline:
+            log(f"  deadline: {r} rounds")
+            break
         for name, case in cases.items():
             case.setup()
             case(1)                                             # untimed: re-touch after setup
@@ -275,6 +291,7 @@ class Row:
     note: str = ""
     batch: int | None = None
     context: int | None = None
+    suffix: str = ""               # decode: ", N steps per call"
 
     @property
     def t(self) -> float:
@@ -299,22 +316,29 @@ def _kv_bytes(cfg, rows, context, dtype, pool_factor=1) -> int:
     return (pool_factor * rows * nb + 1) * BLOCK * cfg.n_layers * 2 * cfg.kv_dim * jnp.dtype(dtype).itemsize
 
 
-def decode_rows(runner, shape, dtype, batches, contexts, args, log) -> tuple[list[Row], list[str]]:
+def decode_rows(runner, shape, dtype, specs, args, log, deadline: float | None = None) -> tuple[list[Row], list[str]]:
+    """Decode figures for specs [(B, context, steps per call)] (steps 0: one paged_step per call, N:
+    paged_decode_steps with N steps per call). A case whose first call fails (e.g. a kernel that
+    does not compile here) is reported and left out."""
     cases, meta, skipped = {}, {}, []
     nbytes = jnp.dtype(dtype).itemsize
-    for ctx in contexts:
-        for B in batches:
-            kv = _kv_bytes(runner.cfg, B, ctx, dtype)
-            if kv > args.max_kv_gb * 1e9:
-                skipped.append(f"decode B={B} context {ctx}: KV pool {kv / 1e9:.1f} GB > --max-kv-gb {args.max_kv_gb}")
-                continue
-            name = f"decode B={B} context {ctx}"
-            cases[name] = DecodeLoop(runner, B, ctx, dtype)
-            meta[name] = (B, ctx, cm.decode_cost(shape, B, ctx, nbytes))
+    for B, ctx, multi in specs:
+        kv = _kv_bytes(runner.cfg, B, ctx + max(multi, 1) - 1, dtype)
+        name = f"decode B={B} context {ctx}" + (f", {multi} steps per call" if multi else "")
+        if kv > args.max_kv_gb * 1e9:
+            skipped.append(f"{name}: KV pool {kv / 1e9:.1f} GB > --max-kv-gb {args.max_kv_gb}")
+            continue
+        cases[name] = DecodeLoop(runner, B, ctx, dtype, multi=multi)
+        meta[name] = (B, ctx, multi, cm.decode_cost(shape, B, ctx, nbytes))
     log(f"# decode: {len(cases)} cases")
-    times = time_round_robin(cases, args.rounds, args.round_s, log)
-    return [Row("decode", k, times[k], m[2]["bytes"], m[2]["flops"], batch=m[0], context=m[1])
-            for k, m in meta.items()], skipped
+    times = time_round_robin(cases, args.rounds, args.round_s, log, deadline=deadline, failed=skipped)
+    return [Row("decode", k, times[k], m[3]["bytes"], m[3]["flops"], batch=m[0], context=m[1],
+                suffix=f", {m[2]} steps per call" if m[2] else "")
+            for k, m in meta.items() if times.get(k)], skipped
+
+
+def decode_specs(batches, contexts, multi: int = 0) -> list[tuple[int, int, int]]:
+    return [(B, c, m) for c in contexts for B in batches for m in ((0, multi) if multi else (0,))]
 
 
 def _prefill_case(runner, T, rows, dtype, adapters: int):
@@ -349,19 +373,20 @@ def _prefill_case(runner, T, rows, dtype, adapters: int):
     return Calls(make, fn)
 
 
-def prefill_rows(runner, shape, dtype, sizes, args, log) -> list[Row]:
+def prefill_rows(runner, shape, dtype, sizes, args, log, deadline: float | None = None,
+                 failed: list | None = None) -> list[Row]:
     cases, meta = {}, {}
     nbytes = jnp.dtype(dtype).itemsize
     for T in sizes:
         rows = min(args.prefill_rows, T)
-        for adapters in (0, args.adapters):
+        for adapters in ((0, args.adapters) if args.adapters else (0,)):
             label = f"prefill {T} tokens ({rows} x {T // rows})" + (f" PreFT-LoRA N={adapters}" if adapters else " base")
             cases[label] = _prefill_case(runner, T, rows, dtype, adapters)
             targets = LORA_TARGETS if adapters else ()
             meta[label] = cm.prefill_cost(shape, rows, T // rows, 0, nbytes, targets, 16, min(adapters, rows))
     log(f"# prefill: {len(cases)} cases")
-    times = time_round_robin(cases, args.rounds, args.round_s, log, max_iters=50)
-    return [Row("prefill", k, times[k], m["bytes"], m["flops"]) for k, m in meta.items()]
+    times = time_round_robin(cases, args.rounds, args.round_s, log, max_iters=50, deadline=deadline, failed=failed)
+    return [Row("prefill", k, times[k], m["bytes"], m["flops"]) for k, m in meta.items() if times.get(k)]
 
 
 def engine_row(runner, shape, dtype, args, log) -> Row:
@@ -407,7 +432,7 @@ def engine_bound(row: Row, hw: Hardware) -> float:
 
 
 # ------------------------------------------------------------------------------- components
-def component_rows(runner, shape, dtype, case, args, log) -> list[Row]:
+def component_rows(runner, shape, dtype, case, args, log, deadline: float | None = None) -> list[Row]:
     """Per-component times of one decode case by ablation (see the module docstring)."""
     from preft_jax.paged_kv import write_kv
     from preft_jax.paged_step import paged_logits
@@ -456,7 +481,7 @@ def component_rows(runner, shape, dtype, case, args, log) -> list[Row]:
         "step, pool 4x larger": DecodeLoop(runner, B, ctx, dtype, pool_factor=4),
     }
     log(f"# components of decode B={B} context {ctx}: {len(cases)} cases")
-    times = time_round_robin(cases, args.rounds, args.round_s, log)
+    times = time_round_robin(cases, args.rounds, args.round_s, log, deadline=deadline)
 
     def diff(a, *bs):
         """Per-round paired difference a - sum(bs) (the variants of one round ran back to back)."""
@@ -545,7 +570,7 @@ def fraction_line(model: str, dtype_name: str, row: Row, hw: Hardware) -> str:
     """One line per figure: model, B=, context, time, 'NN% of HBM bound'."""
     bound, what = row.bound(hw)
     f = bound / row.t
-    where = f"B={row.batch} context {row.context}" if row.kind == "decode" else row.label
+    where = f"B={row.batch} context {row.context}{row.suffix}" if row.kind == "decode" else row.label
     return (f"{cm.MODEL_NAMES.get(model, model)} {dtype_name} {row.kind} {where}: {row.t * 1e3:.3g} ms "
             f"(bound {bound * 1e3:.3g} ms): {100 * f:.0f}% of {what}")
 
@@ -588,7 +613,8 @@ def run(args, log=print) -> dict:
         f"{time.perf_counter() - t0:.1f} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     res = {"hardware": hw, "rows": [], "components": [], "skipped": [], "trace": [], "cost_check": None}
     if args.batches and args.contexts:
-        rows, skipped = decode_rows(runner, shape, dtype, args.batches, args.contexts, args, log)
+        rows, skipped = decode_rows(runner, shape, dtype, decode_specs(args.batches, args.contexts, args.decode_multi),
+                                    args, log)
         res["rows"] += rows
         res["skipped"] += skipped
     if args.prefill:
@@ -640,6 +666,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, choices=("f32", "bf16"), help="default: f32 on CPU, bf16 elsewhere")
     ap.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
     ap.add_argument("--contexts", type=_ints, default=[128, 2048])
+    ap.add_argument("--decode-multi", type=int, default=0, help="also time each decode case as N steps per "
+                    "call (paged_decode_steps: no host sync between them); 0: off")
     ap.add_argument("--prefill", type=_ints, default=[512, 2048], help="prefill chunk sizes in tokens")
     ap.add_argument("--prefill-rows", type=int, default=4)
     ap.add_argument("--adapters", type=int, default=64, help="PreFT-LoRA prefill: adapters in the bank")

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from preft_jax.config import ModelConfig
 
 log = logging.getLogger("preft_jax.paged_kv")
+_logged: set = set()
 ATTENTION_BACKENDS = ("gather", "kernel:tpu", "kernel:gpu")
 
 
@@ -157,11 +159,23 @@ def kernel_supported(cfg: ModelConfig, block_size: int, pages_per_seq: int, plat
     return False, f"no paged-attention kernel for platform {platform!r}"
 
 
+ATTENTION_ENV = "PREFT_JAX_DECODE_ATTENTION"     # "gather" forces the gather path ("auto"/unset: the choice below)
+
+
 def choose_attention(cfg: ModelConfig, block_size: int, platform: str | None = None) -> str:
     """The decode attention for `platform` (default: jax.default_backend()): the Pallas paged kernel
-    where it takes these shapes, else "gather" (with a one-time log line saying why)."""
+    where it takes these shapes, else "gather" (with a one-time log line saying why).
+    PREFT_JAX_DECODE_ATTENTION=gather in the environment forces "gather" (as vLLM's
+    VLLM_ATTENTION_BACKEND picks its attention backend): a way around a kernel that fails on a
+    device, without a code change."""
     platform = jax.default_backend() if platform is None else platform
-    if platform == "cpu":
+    forced = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if forced not in ("auto", "gather"):
+        raise ValueError(f"{ATTENTION_ENV} must be 'auto' or 'gather', got {forced!r}")
+    if platform == "cpu" or forced == "gather":
+        if forced == "gather" and platform != "cpu" and ("forced", platform) not in _logged:
+            _logged.add(("forced", platform))
+            log.warning("paged attention: %s=gather; decode uses the gather path on %s", ATTENTION_ENV, platform)
         return "gather"
     ok, why = kernel_supported(cfg, block_size, 0, platform)
     if not ok:

@@ -1,23 +1,40 @@
-"""One command for an accelerator (GPU or TPU): are the kernels right there, how fast are they, and what
-does PreFT buy when serving at the paper's shapes. Writes a markdown report (default docs/device_check.md).
+"""One command for an accelerator (GPU or TPU): how close serving and training come to the hardware,
+whether the kernels are right there, what PreFT buys when serving at the paper's shapes. Writes a
+markdown report into docs/device_check.md (between its `device_check:latest` markers; the earlier
+runs below them are kept).
 
-    python scripts/device_check.py            # GPU/TPU: full shapes, budgeted to < 8 min on one H200
-    python scripts/device_check.py --tiny     # tiny shapes, Pallas interpret mode (CI; automatic on CPU)
+    python scripts/device_check.py                     # the prepared run: roofline,serving,training, < 6 min on one H200
+    python scripts/device_check.py --dry-run           # the same sections at tiny shapes (CPU, interpret mode)
+    python scripts/device_check.py --sections kernels,timing    # the kernel checks of the first lease
 
-Sections (each prints its wall time; every item checks the time budget first and is skipped, and
-listed as skipped, once the budget is spent; the report is rewritten after every section):
-  1. kernels   every Pallas kernel compiled with interpret=False (lora_sgmv, lora_bgmv, reft_apply;
-               their backward passes run the grouped outer-product kernel) at the paper's layer
-               shapes in float32 and bfloat16, forward and gradients checked against a float32 jnp
-               reference (random group sizes, empty groups included); the same for the `xla`
-               adapter backend (ragged_dot grouped / per-token gather); and slot isolation on every
-               backend (NaN/Inf weights in one slot must not change any other row).
-  2. timing    one layer's adapter op, round-robin timed, median per call (min-max over rounds):
-               prefill LoRA (SGMV vs xla ragged_dot), decode LoRA (BGMV vs xla gather), prefill
-               ReFT (Pallas vs xla ragged_dot), for 1, 64 and 512 adapters.
-  3. serving   serve.benchmark's engine benchmark in bfloat16 on random-weight models shaped like
-               Qwen2.5-0.5B and Llama-3.1-8B: base vs all-token LoRA vs PreFT-LoRA vs PreFT-ReFT
-               with 1, 64 and 512 adapters, adapter backend `auto`.
+Sections (each has a share of the time budget; every item checks its deadline first and is skipped,
+and listed as skipped, once it is spent; the report is rewritten after every section; compiled
+programs go to the persistent compilation cache, so a second try in the same lease compiles
+nothing):
+  roofline  benchmarks.roofline on random-weight bf16 models: decode step time of the Llama-3.1-8B
+            shape at B=64, context 128 and 2048, one step per call and 8 steps per call
+            (paged_decode_steps: no host sync), the same for the Qwen2.5-0.5B shape, then the 8B
+            shape at B=1, 16, 256, prefill chunks of 2048 and 512 tokens (base and PreFT-LoRA with 64
+            adapters), and the 8B decode step's components by ablation plus its op profile; each
+            figure beside its bound ("NN% of HBM bound", H200: 4.8 TB/s, 989 TFLOP/s).
+  serving   serve.benchmark's engine benchmark (base vs all-token LoRA vs PreFT-LoRA vs PreFT-ReFT)
+            on the Llama-3.1-8B shape, 64 and 512 adapters, adapter backend `auto`; base end to end
+            against its roofline.
+  training  benchmarks.train_mfu on the Llama-3.1-8B shape: one SFT step and one GRPO update (LoRA r16
+            on q/k/v/o/gate/up/down, seq 1024, batch 8, bf16 activations, f32 adapter and AdamW),
+            MFU against peak, GRPO backward / forward, and x W vs dY W^T at the MLP's shape.
+  kernels   every Pallas kernel compiled with interpret=False (lora_sgmv, lora_bgmv, reft_apply;
+            their backward passes run the grouped outer-product kernel) at the paper's layer
+            shapes in float32 and bfloat16, forward and gradients checked against a float32 jnp
+            reference (random group sizes, empty groups included); the same for the `xla`
+            adapter backend (ragged_dot grouped / per-token gather); and slot isolation on every
+            backend (NaN/Inf weights in one slot must not change any other row).
+  timing    one layer's adapter op, round-robin timed, median per call (min-max over rounds):
+            prefill LoRA (SGMV vs xla ragged_dot), decode LoRA (the BGMV kernel vs xla gather),
+            prefill ReFT (Pallas vs xla ragged_dot), for 1, 64 and 512 adapters.
+
+It runs on whatever jax the machine has (the H200 lease: its own jax 0.11.x and flax; a carried
+flax does not import there) and says which versions it ran.
 """
 from __future__ import annotations
 
@@ -25,7 +42,9 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import os
 import pathlib
+import platform as pyplatform
 import statistics
 import sys
 import time
@@ -40,15 +59,18 @@ import numpy as np                         # noqa: E402
 
 from preft_jax.adapters import apply       # noqa: E402
 from preft_jax.adapters.context import AdapterContext, pallas_lowers_on, resolve_backend   # noqa: E402
+from benchmarks import cost_model as cm   # noqa: E402
 from preft_jax.config import ModelConfig   # noqa: E402
 
-QWEN_05B = ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
-                       ffn_dim=4864, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=True, max_seq_len=512)
-LLAMA_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-                       ffn_dim=14336, rope_theta=5e5, rms_eps=1e-5, tie_embeddings=False, max_seq_len=512)
+QWEN_05B = dataclasses.replace(cm.MODEL_CONFIGS["qwen2.5-0.5b"], max_seq_len=512)
+LLAMA_8B = dataclasses.replace(cm.MODEL_CONFIGS["llama-3.1-8b"], max_seq_len=512)
 TINY = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                    tie_embeddings=True, max_seq_len=64)
 MODELS = {"qwen2.5-0.5b": QWEN_05B, "llama-3.1-8b": LLAMA_8B}
+SECTIONS = ("roofline", "serving", "training", "kernels", "timing")
+DEFAULT_SECTIONS = "roofline,serving,training"
+SHARE = {"roofline": 0.45, "serving": 0.25, "training": 0.30, "kernels": 0.5, "timing": 0.5}   # of the budget
+MARK_BEGIN, MARK_END = "<!-- device_check:latest -->", "<!-- /device_check:latest -->"
 TOL = {"float32": 1e-2, "bfloat16": 3e-2}   # max |err| / max |ref|; f32 matmuls may run as TF32 on GPUs
 
 
@@ -60,51 +82,90 @@ class Plan:
     kernel_dtypes: tuple
     timing_dims: tuple               # (label, d) of the projection / residual stream
     timing_tokens: tuple             # (prefill tokens, decode tokens)
-    adapter_counts: tuple
+    adapter_counts: tuple            # timing section
     timing_calls: int
     timing_rounds: int
-    models: tuple                    # (label, ModelConfig)
+    models: tuple                    # serving: (label, ModelConfig)
     serving: dict                    # Workload fields
+    serving_counts: tuple            # serving: numbers of adapters
+    roofline: dict                   # see roofline_section
+    training: dict                   # see training_section
 
 
 def make_plan(tiny: bool, models: list[str] | None, adapters: list[int] | None) -> Plan:
     if tiny:
+        roof = dict(dtype="f32", head=("tiny", [(4, 16, 0), (4, 16, 2)]), second=None, more=[], prefill=[32],
+                    prefill_rows=2, adapters=3, components=None, multi=2, rounds=2, round_s=0.02, max_kv_gb=1.0)
+        train = dict(model="tiny", dtype="f32", batch=2, seq=32, prompt_len=8, rank=4)
         return Plan(True, True, (("tiny", 24, 6, 32, 48, 4, 5),), ("float32",), (("tiny", 64),), (24, 4), (2,), 1, 1,
                     (("tiny", TINY),), dict(slots=2, requests=2, prefill_batch=2, prompt_len=4, max_tokens=2,
-                                            repeats=1, lora_rank=4, reft_rank=2, reft_layers=(1,)))
+                                            repeats=1, lora_rank=4, reft_rank=2, reft_layers=(1,)),
+                    tuple(adapters or (2,)), roof, train)
     counts = tuple(adapters or (1, 64, 512))
+    roof = dict(dtype="bf16",
+                head=("llama-3.1-8b", [(64, 128, 0), (64, 128, 8), (64, 2048, 0), (64, 2048, 8)]),
+                second=("qwen2.5-0.5b", [(64, 128, 0), (64, 128, 8), (64, 2048, 0), (64, 2048, 8)]),
+                more=[(1, 128, 0), (16, 128, 0), (256, 128, 0), (1, 2048, 0), (16, 2048, 0), (256, 2048, 0)],
+                prefill=[2048, 512], prefill_rows=4, adapters=64, components=(64, 2048), multi=8, rounds=3,
+                round_s=0.25, max_kv_gb=90.0)
+    train = dict(model="llama-3.1-8b", dtype="bf16", batch=8, seq=1024, prompt_len=256, rank=16)
     return Plan(False, False,
                 (("qwen q-proj", 1024, 64, 896, 896, 16, 64), ("llama q-proj", 1024, 64, 4096, 4096, 16, 64)),
                 ("float32", "bfloat16"),
                 (("qwen2.5-0.5b", 896), ("llama-3.1-8b", 4096)), (2048, 64), counts, 20, 5,
-                tuple((m, MODELS[m]) for m in (models or list(MODELS))),
+                tuple((m, MODELS[m]) for m in (models or ["llama-3.1-8b"])),
                 dict(slots=64, requests=64, prefill_batch=16, prompt_len=64, max_tokens=64, repeats=2,
-                     lora_rank=16, reft_rank=8))
+                     lora_rank=16, reft_rank=8), tuple(adapters or (64, 512)), roof, train)
 
 
 class Report:
+    """The report: header + sections, written after every section. An existing `out` with the
+    device_check:latest markers keeps everything outside them (earlier runs); one without markers
+    gets the block on top of its old text."""
+
     def __init__(self, out: pathlib.Path, budget_s: float):
         self.out, self.t0, self.budget_s = out, time.perf_counter(), budget_s
-        self.deadline = self.t0 + budget_s
+        self.deadline = self.section_deadline = self.t0 + budget_s
         self.sections: list[tuple[str, float, list[str]]] = []
+        self.plan = self.hardware = None
+        self.notes: list[str] = []
         self.header: list[str] = []
+        self.summary: list[str] = []
+        self.old = out.read_text() if out.is_file() else None
 
     def over_budget(self) -> bool:
-        return time.perf_counter() > self.deadline
+        return time.perf_counter() > min(self.deadline, self.section_deadline)
 
     def section(self, title, seconds, lines):
         self.sections.append((title, seconds, lines))
         print(f"\n## {title} ({seconds:.0f} s)\n" + "\n".join(lines), flush=True)
         self.write()
 
-    def write(self):
+    def block(self) -> str:
         total = time.perf_counter() - self.t0
-        text = ["# Device check", "", *self.header, f"- total wall time: {total:.0f} s (budget {self.budget_s:.0f} s)",
+        text = ["## Latest run", "", *self.header, f"- total wall time: {total:.0f} s (budget {self.budget_s:.0f} s)",
                 ""]
+        if self.summary:
+            text += ["Figures (one line each):", "", "```", *self.summary, "```", ""]
+        if self.notes:
+            text += [*self.notes, ""]
         for title, seconds, lines in self.sections:
-            text += [f"## {title}", "", f"_section wall time {seconds:.0f} s_", "", *lines, ""]
+            text += [f"### {title}", "", f"_section wall time {seconds:.0f} s_", "", *lines, ""]
+        return "\n".join([MARK_BEGIN, *text, MARK_END])
+
+    def write(self):
+        block = self.block()
+        if self.old is None:
+            text = "\n".join(["# Device check", "", block, ""])
+        elif MARK_BEGIN in self.old and MARK_END in self.old:
+            head, rest = self.old.split(MARK_BEGIN, 1)
+            text = head + block + rest.split(MARK_END, 1)[1]
+        else:
+            lines = self.old.splitlines()
+            k = 1 if lines and lines[0].startswith("# ") else 0
+            text = "\n".join(lines[:k] + ["", block, ""] + lines[k:]) + "\n"
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text("\n".join(text))
+        self.out.write_text(text)
 
 
 def _err(e: BaseException) -> str:
@@ -276,6 +337,11 @@ def _fmt(ts):
     return f"{med:.0f} ({min(ts) * 1e6:.0f}-{max(ts) * 1e6:.0f})"
 
 
+def _bgmv_kernel(x, A, B, idx, interpret):
+    import pallas_kernels
+    return pallas_kernels.lora_bgmv(x, A, B, idx, interpret=interpret)
+
+
 def timing(plan: Plan, rep: Report, platform: str):
     pallas_ok = pallas_lowers_on(platform)
     dt = jnp.bfloat16
@@ -304,17 +370,20 @@ def timing(plan: Plan, rep: Report, platform: str):
             xd = x[:Td]
             lora = jax.jit(lambda c, x, A, B: c.lora(x, A, B))
             reft = jax.jit(lambda c, h, R, b, sub: c.reft(h, R, R, b, sub))
+            # the pallas backend's decode LoRA is XLA's gather on GPUs (adapters/context.py): the BGMV
+            # kernel is timed by calling it directly
+            bgmv = jax.jit(functools.partial(_bgmv_kernel, interpret=plan.interpret))
             cases = {
-                "LoRA prefill (SGMV)": ("grouped", idx_p, lora, (x, A, B)),
-                "LoRA decode (BGMV)": ("gather", idx_d, lora, (xd, A, B)),
-                "ReFT prefill": ("grouped", idx_p, reft, (x, R, b, sub)),
+                "LoRA prefill (SGMV)": ("grouped", idx_p, lora, (x, A, B), None),
+                "LoRA decode (BGMV)": ("gather", idx_d, lora, (xd, A, B), (bgmv, (xd, A, B, idx_d))),
+                "ReFT prefill": ("grouped", idx_p, reft, (x, R, b, sub), None),
             }
-            for op, (mode, idx, fn, args) in cases.items():
+            for op, (mode, idx, fn, args, kernel) in cases.items():
                 fns = {}
                 try:
                     fns["xla"] = (fn, (AdapterContext.build(idx, s, "xla", mode), *args))
                     if pallas_ok:
-                        fns["pallas"] = (fn, (AdapterContext.build(idx, s, "pallas", mode), *args))
+                        fns["pallas"] = kernel or (fn, (AdapterContext.build(idx, s, "pallas", mode), *args))
                     t0 = time.perf_counter()
                     t = _time_round_robin(fns, plan.timing_calls, plan.timing_rounds, rep)
                     print(f"  timed {op} {label} N={N} ({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -331,6 +400,25 @@ def timing(plan: Plan, rep: Report, platform: str):
 
 
 # ---- 3. serving --------------------------------------------------------------------------------
+def _engine_line(label: str, work, base, rep: Report) -> str:
+    """The base engine's end-to-end time against its roofline (prefill FLOPs at peak + every decode
+    step's bytes at the bandwidth; benchmarks.roofline.engine_bound)."""
+    from benchmarks import roofline as rf
+    rate = statistics.median(base.rates)
+    tokens = work.requests * work.max_tokens
+    shape = cm.shape(label) if label in cm.MODEL_CONFIGS else cm.Shape.from_config(label, TINY)
+    nbytes = 4 if rep.plan.tiny else 2
+    steps = -(-work.requests // work.slots) * (work.max_tokens - 1)
+    pre = cm.prefill_cost(shape, work.requests, work.prompt_len, 0, nbytes)
+    dec = cm.decode_cost(shape, work.slots, work.prompt_len + work.max_tokens // 2, nbytes)
+    row = rf.Row("engine", "engine", [tokens / rate], bytes=steps * dec["bytes"], flops=pre["flops"] + steps * dec["flops"])
+    row.prefill_flops = pre["flops"]
+    b = rf.engine_bound(row, rep.hardware)
+    return (f"{cm.MODEL_NAMES.get(label, label)} serving base, {work.requests} requests x {work.prompt_len} -> "
+            f"{work.max_tokens} tokens, {work.slots} slots: {rate:.0f} tok/s, {tokens / b:.0f} tok/s at the roofline: "
+            f"{100 * b / row.t:.2g}% of the roofline")
+
+
 def serving(plan: Plan, rep: Report, backend: str):
     from flax import nnx
 
@@ -352,8 +440,9 @@ def serving(plan: Plan, rep: Report, backend: str):
             runner = ModelRunner(model)
             del model
             log = []
-            base, rows = run_serving(runner, work, plan.adapter_counts, deadline=rep.deadline,
+            base, rows = run_serving(runner, work, plan.serving_counts, deadline=rep.section_deadline,
                                      log=lambda s: (print(s, flush=True), log.append(s)))
+            rep.summary.append(_engine_line(label, work, base, rep))
             lines += [f"### {label} (random weights, bfloat16, adapter backend `{runner.adapter_backend}`)", "",
                       f"{L} layers, d={cfg.d_model}, {cfg.n_heads}/{cfg.n_kv_heads} heads of {cfg.head_dim}, "
                       f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}. Workload: {work.requests} requests, "
@@ -370,43 +459,199 @@ def serving(plan: Plan, rep: Report, backend: str):
     return lines
 
 
+# ---- roofline -------------------------------------------------------------------------------
+def _roofline_args(plan: Plan, model: str):
+    from benchmarks import roofline as rf
+    r = plan.roofline
+    a = rf.parser().parse_args(["--model", model, "--dtype", r["dtype"]])
+    a.rounds, a.round_s, a.max_kv_gb = r["rounds"], r["round_s"], r["max_kv_gb"]
+    a.prefill_rows, a.adapters, a.multi_steps = r["prefill_rows"], r["adapters"], r["multi"]
+    return a
+
+
+def roofline_section(plan: Plan, rep: Report):
+    """Decode / prefill / components of benchmarks.roofline in priority order, each item only while
+    the section's time lasts. If the paged-attention kernel fails to run, the rest (and the serving
+    section) use the gather path (PREFT_JAX_DECODE_ATTENTION=gather), and the report says so."""
+    from benchmarks import roofline as rf
+    from preft_jax.paged_kv import ATTENTION_ENV
+    r = plan.roofline
+    dtype = rf.DTYPES[r["dtype"]]
+    hw = rep.hardware
+    lines = [f"- {hw.line()}", ""]
+    rows, notes, comps, trace = [], [], None, []
+    log = lambda m: print(m, flush=True)          # noqa: E731
+    runners = {}
+
+    def runner(model):
+        if model not in runners:
+            runners.clear()                           # one model on the device at a time
+            t0 = time.perf_counter()
+            runners[model] = rf.build(model, dtype)
+            log(f"  built {model} in {time.perf_counter() - t0:.1f} s")
+        return runners[model]
+
+    def decode(model, specs):
+        run, shape = runner(model)
+        args = _roofline_args(plan, model)
+        got, skipped = rf.decode_rows(run, shape, dtype, specs, args, log, deadline=rep.section_deadline)
+        failed = [x for x in skipped if "FAIL" in x]
+        if failed and not os.environ.get(ATTENTION_ENV) and not got:
+            os.environ[ATTENTION_ENV] = "gather"         # the kernel path failed: measure the gather path
+            rep.notes.append(f"- decode attention kernel failed here ({failed[0][:200]}); the figures below use "
+                             f"{ATTENTION_ENV}=gather")
+            got, skipped = rf.decode_rows(run, shape, dtype, specs, args, log, deadline=rep.section_deadline)
+        notes.extend(f"{model}: {x}" for x in skipped)
+        for row in got:
+            rep.summary.append(rf.fraction_line(model, r["dtype"], row, hw))
+            row.label = f"{cm.MODEL_NAMES[model]} {row.label}"
+            rows.append(row)
+
+    head_model, head_specs = r["head"]
+    steps = [("decode", lambda: decode(head_model, head_specs))]
+    if r["second"]:
+        steps.append(("decode", lambda: decode(*r["second"])))
+    if r["more"]:
+        steps.append(("decode", lambda: decode(head_model, r["more"])))
+
+    def prefill():
+        run, shape = runner(head_model)
+        got = rf.prefill_rows(run, shape, dtype, r["prefill"], _roofline_args(plan, head_model), log,
+                              deadline=rep.section_deadline, failed=notes)
+        for row in got:
+            rep.summary.append(rf.fraction_line(head_model, r["dtype"], row, hw))
+            row.label = f"{cm.MODEL_NAMES[head_model]} {row.label}"
+            rows.append(row)
+
+    def components():
+        nonlocal comps, trace
+        run, shape = runner(head_model)
+        comps = rf.component_rows(run, shape, dtype, r["components"], _roofline_args(plan, head_model), log,
+                                  deadline=rep.section_deadline)
+        trace = rf.trace_ops(run, dtype, r["components"])
+    steps.append(("prefill", prefill))
+    if r["components"]:
+        steps.append(("components", components))
+    for what, fn in steps:
+        if rep.over_budget():
+            notes.append(f"{what}: skipped (budget)")
+            continue
+        try:
+            fn()
+        except Exception as e:                    # noqa: BLE001  (report, keep going)
+            traceback.print_exc()
+            notes.append(f"{what}: FAIL {_err(e)}")
+    runners.clear()
+    lines += rf.table(rows, hw)
+    if comps:
+        B, ctx = r["components"]
+        lines += ["", f"{cm.MODEL_NAMES[head_model]} decode step at B={B}, context {ctx}, by component (ablation on "
+                  "the real step; differences are medians of paired per-round differences):", ""]
+        lines += rf.component_table(comps, hw)
+    if trace:
+        lines += ["", *trace]
+    if notes:
+        lines += ["", *[f"- {n}" for n in notes]]
+    return lines
+
+
+# ---- training -------------------------------------------------------------------------------
+def training_section(plan: Plan, rep: Report):
+    """benchmarks.train_mfu: SFT step, GRPO update, GRPO forward / forward + backward, x W vs dY W^T."""
+    from benchmarks import train_mfu as tm
+    t = plan.training
+    args = tm.finish_args(tm.parser().parse_args(
+        ["--model", t["model"], "--dtype", t["dtype"], "--batch", str(t["batch"]), "--seq", str(t["seq"]),
+         "--prompt-len", str(t["prompt_len"]), "--rank", str(t["rank"]), "--rounds", "2", "--no-measure"]))
+    args.orientation, args.ratio_tasks = True, ["grpo"]
+    res = tm.run(args, lambda m: print(m, flush=True), hw=rep.hardware, deadline=rep.section_deadline)
+    lines = tm.report(args, res)
+    for name, ts in res["times"].items():
+        if ts and ("step" in name or "update" in name):
+            rep.summary.append(f"{cm.MODEL_NAMES[t['model']]} {t['dtype']} {name}, batch {t['batch']} x seq "
+                               f"{t['seq']}: {statistics.median(ts) * 1e3:.0f} ms, "
+                               f"MFU {100 * res['flops'][name] / statistics.median(ts) / rep.hardware.peak:.0f}%")
+    for line in lines:
+        if "backward / forward" in line:
+            rep.summary.append(f"{cm.MODEL_NAMES[t['model']]} {line.lstrip('- ')}")
+    return lines
+
+
+def versions() -> str:
+    import importlib.metadata as md
+    out = [f"python {pyplatform.python_version()}"]
+    for pkg in ("jax", "jaxlib", "flax", "optax"):
+        try:
+            out.append(f"{pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            out.append(f"{pkg} (not installed)")
+    return ", ".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes, Pallas interpret mode (default on CPU)")
+    ap.add_argument("--dry-run", "--tiny", dest="tiny", action="store_true",
+                    help="tiny shapes, Pallas interpret mode (default on CPU): the same sections as the device "
+                    "run, as a smoke test (about a minute of CPU time)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "device_check.md"))
-    ap.add_argument("--budget-s", type=float, default=None, help="time budget (default 420 s; tiny: 600 s, a smoke run)")
-    ap.add_argument("--sections", default="kernels,timing,serving")
+    ap.add_argument("--budget-s", type=float, default=None, help="time budget (default 330 s; tiny: 600 s)")
+    ap.add_argument("--sections", default=None, help=f"comma-separated from {SECTIONS} (default {DEFAULT_SECTIONS})")
     ap.add_argument("--models", default=None, help=f"serving models, comma-separated from {list(MODELS)}")
-    ap.add_argument("--adapters", default=None, help="numbers of adapters (default 1,64,512)")
+    ap.add_argument("--adapters", default=None, help="numbers of adapters (timing default 1,64,512; serving 64,512)")
     ap.add_argument("--backend", default="auto", choices=("auto", "jnp", "xla", "pallas"),
                     help="adapter backend of the serving section")
+    ap.add_argument("--no-cache", action="store_true", help="no persistent compilation cache")
     args = ap.parse_args(argv)
     platform = jax.default_backend()
     tiny = args.tiny or platform == "cpu"
+    sections = (args.sections or DEFAULT_SECTIONS).split(",")
+    bad = [x for x in sections if x not in SECTIONS]
+    if bad:
+        ap.error(f"--sections: unknown {bad}; choose from {SECTIONS}")
+    cache = None
+    if not args.no_cache:
+        from preft_jax.cache.compilation import enable_compilation_cache
+        try:
+            cache = enable_compilation_cache()
+        except OSError as e:                  # unwritable home: run without it
+            print(f"compilation cache off: {e}", flush=True)
     plan = make_plan(tiny, args.models.split(",") if args.models else None,
                      [int(n) for n in args.adapters.split(",")] if args.adapters else None)
-    rep = Report(pathlib.Path(args.out), args.budget_s or (600.0 if tiny else 420.0))
+    rep = Report(pathlib.Path(args.out), args.budget_s or (600.0 if tiny else 330.0))
+    rep.plan = plan
+    from benchmarks import roofline as rf
+    rep.hardware = rf.hardware(jnp.float32 if tiny else jnp.bfloat16)
     dev = jax.devices()[0]
     rep.header = [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
                   f"- device: {dev.platform} / {getattr(dev, 'device_kind', '?')} x {jax.device_count()}; "
-                  f"jax {jax.__version__}",
+                  f"{versions()}",
+                  f"- command: `python scripts/device_check.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
                   f"- mode: {'tiny shapes, Pallas interpret mode (a smoke run, not a measurement)' if tiny else 'full shapes, compiled kernels'}",
                   f"- adapter backend `auto` resolves to `{resolve_backend('auto', platform)}` here; Pallas kernels "
-                  f"{'lower' if pallas_lowers_on(platform) else 'do not lower'} on {platform}"]
+                  f"{'lower' if pallas_lowers_on(platform) else 'do not lower'} on {platform}",
+                  f"- {rep.hardware.line()}",
+                  f"- compilation cache: {cache or 'off'}"]
     print("\n".join(rep.header), flush=True)
-    sections = args.sections.split(",")
-    for name, fn in (("kernels", lambda: kernel_checks(plan, rep, platform)),
-                     ("timing", lambda: timing(plan, rep, platform)),
-                     ("serving", lambda: serving(plan, rep, args.backend))):
-        if name not in sections:
-            continue
+    runs = {"kernels": lambda: kernel_checks(plan, rep, platform), "timing": lambda: timing(plan, rep, platform),
+            "serving": lambda: serving(plan, rep, args.backend), "roofline": lambda: roofline_section(plan, rep),
+            "training": lambda: training_section(plan, rep)}
+    titles = {"kernels": "Kernels vs references", "timing": "Adapter op timing",
+              "serving": "Serving benchmark (bfloat16)", "roofline": "Roofline: decode, prefill, components",
+              "training": "Training MFU (SFT step, GRPO update)"}
+    order = [x for x in ("roofline", "serving", "training", "kernels", "timing") if x in sections]
+    for k, name in enumerate(order):
         t0 = time.perf_counter()
-        title = {"kernels": "1. Kernels vs references", "timing": "2. Adapter op timing",
-                 "serving": "3. Serving benchmark (bfloat16)"}[name]
+        left = [SHARE[x] for x in order[k:]]
+        rep.section_deadline = t0 + (rep.deadline - t0) * SHARE[name] / sum(left)
+        title = f"{k + 1}. {titles[name]}"
         if rep.over_budget():
             rep.section(title, 0.0, ["skipped (budget)"])
             continue
-        lines = fn()
+        try:
+            lines = runs[name]()
+        except Exception as e:               # noqa: BLE001  (a section failing leaves the others)
+            traceback.print_exc()
+            lines = [f"FAIL: {_err(e)}"]
         rep.section(title, time.perf_counter() - t0, lines)
     failed = any("FAIL" in line for _, _, lines in rep.sections for line in lines)
     print(f"\nwrote {rep.out} in {time.perf_counter() - rep.t0:.0f} s; {'FAILURES' if failed else 'all checks passed'}")

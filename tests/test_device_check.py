@@ -1,24 +1,57 @@
 """scripts/device_check.py runs end to end at tiny shapes in Pallas interpret mode (so it cannot rot):
-every section runs, every check passes, the report is written."""
+the prepared device run (roofline, serving, training) and the kernel checks, every section runs,
+every check passes, the report is written between its markers and earlier runs are kept."""
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+OLD = "# Device check\n\nintro kept\n\n<!-- device_check:latest -->\nold block\n<!-- /device_check:latest -->\n\n# Run 1\nkept too\n"
 
 
-def test_device_check_tiny(tmp_path):
+def _run(tmp_path, *extra):
     out = tmp_path / "device_check.md"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "--tiny", "--out", str(out)],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out.write_text(OLD)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "--dry-run", "--out", str(out),
+                        *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = out.read_text()
-    for heading in ("## 1. Kernels vs references", "## 2. Adapter op timing", "## 3. Serving benchmark"):
-        assert heading in text
+    assert text.startswith("# Device check\n\nintro kept\n\n<!-- device_check:latest -->\n## Latest run")
+    assert text.endswith("<!-- /device_check:latest -->\n\n# Run 1\nkept too\n") and "old block" not in text
     assert "skipped" not in text and "FAIL" not in text
+    assert re.search(r"- device: cpu / cpu x 1; python [\d.]+, jax [\d.]+, jaxlib [\d.]+, flax [\d.]+", text)
+    return text
+
+
+@pytest.mark.slow
+def test_device_check_prepared_run_dry(tmp_path):
+    text = _run(tmp_path)
+    for heading in ("### 1. Roofline: decode, prefill, components", "### 2. Serving benchmark",
+                    "### 3. Training MFU (SFT step, GRPO update)"):
+        assert heading in text
+    figures = text.split("```")[1]
+    # one line per decode figure: model, B=, context, fraction of the bound
+    assert re.search(r"^tiny f32 decode B=4 context 16: [\d.]+ ms \(bound [\d.]+ ms\): \d+% of (memory bound|peak "
+                     r"FLOPs)$", figures, re.M)
+    assert re.search(r"^tiny f32 decode B=4 context 16, 2 steps per call: ", figures, re.M)
+    assert re.search(r"^tiny f32 prefill 32 tokens \(2 x 16\) PreFT-LoRA N=3: ", figures, re.M)
+    assert "tiny serving base, 2 requests x 4 -> 2 tokens" in figures and "of the roofline" in figures
+    assert re.search(r"^tiny f32 sft step \(SFTTrainer.step\), batch 2 x seq 32: \d+ ms, MFU \d+%$", figures, re.M)
+    assert re.search(r"^tiny grpo: backward / forward = [\d.]+x", figures, re.M)
+    assert "| 2 |" in text and "PreFT-ReFT / all-token" in text      # the serving table has its N=2 row
+
+
+@pytest.mark.slow
+def test_device_check_kernels_dry(tmp_path):
+    text = _run(tmp_path, "--sections", "kernels,timing")
+    for heading in ("### 1. Kernels vs references", "### 2. Adapter op timing"):
+        assert heading in text
     for impl in ("pallas lora_sgmv", "pallas lora_bgmv", "pallas reft_apply", "xla ragged_dot"):
         assert f"| {impl} |" in text and "| PASS |" in text
     assert text.count("| PASS | PASS |") == 3                     # isolation: jnp, xla, pallas x gather, grouped
-    assert "| 2 |" in text and "PreFT-ReFT / all-token" in text     # the serving table has its N=2 row
+    assert "| LoRA decode (BGMV) | tiny | 2 |" in text

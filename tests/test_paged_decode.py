@@ -179,3 +179,15 @@ def test_llama8b_decode_lowers_with_kernel_and_donated_pool(platform, steps):
     pool_args = [a for a in sig.split("%arg")[1:] if "32x8x" in a and "bf16" in a]
     assert len(pool_args) == 2, sig[:2000]                        # k and v pools
     assert all("tf.aliasing_output" in a for a in pool_args)      # donated: updated in place
+
+
+def test_decode_attention_env_override(monkeypatch):
+    from preft_jax.paged_kv import ATTENTION_ENV
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    assert choose_attention(LLAMA_8B, 16, "gpu") == "kernel:gpu"
+    assert choose_attention(LLAMA_8B, 16, "tpu") == "kernel:tpu"
+    monkeypatch.setenv(ATTENTION_ENV, "gather")
+    assert choose_attention(LLAMA_8B, 16, "gpu") == "gather"
+    monkeypatch.setenv(ATTENTION_ENV, "flash")
+    with pytest.raises(ValueError, match="PREFT_JAX_DECODE_ATTENTION must be 'auto' or 'gather', got 'flash'"):
+        choose_attention(LLAMA_8B, 16, "gpu")
