@@ -570,8 +570,8 @@ def fraction_line(model: str, dtype_name: str, row: Row, hw: Hardware) -> str:
     """One line per figure: model, B=, context, time, 'NN% of HBM bound'."""
     bound, what = row.bound(hw)
     f = bound / row.t
-    where = f"B={row.batch} context {row.context}{row.suffix}" if row.kind == "decode" else row.label
-    return (f"{cm.MODEL_NAMES.get(model, model)} {dtype_name} {row.kind} {where}: {row.t * 1e3:.3g} ms "
+    what = f"decode B={row.batch} context {row.context}{row.suffix}" if row.kind == "decode" else row.label
+    return (f"{cm.MODEL_NAMES.get(model, model)} {dtype_name} {what}: {row.t * 1e3:.3g} ms "
             f"(bound {bound * 1e3:.3g} ms): {100 * f:.0f}% of {what}")
 
 
@@ -709,12 +709,17 @@ def finish_args(args):
     return args
 
 
-def main(argv=None) -> int:
-    args = finish_args(parser().parse_args(argv))
-    print(f"# python -m benchmarks.roofline {' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
-    res = run(args, lambda s: print(s, flush=True))
-    print("\n".join(report(args, res)))
+def run_cli(module: str, parse: Callable, finish: Callable, run_fn: Callable, report_fn: Callable, argv=None) -> int:
+    """A benchmark's main: parse and finish its args, echo the command, run (progress to stdout), print the report."""
+    args = finish(parse().parse_args(argv))
+    print(f"# python -m {module} {' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
+    res = run_fn(args, lambda s: print(s, flush=True))
+    print("\n".join(report_fn(args, res)))
     return 0
+
+
+def main(argv=None) -> int:
+    return run_cli("benchmarks.roofline", parser, finish_args, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import cost_model as cm
-from benchmarks.roofline import DTYPES, hardware
+from benchmarks.roofline import DTYPES, hardware, run_cli
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -281,11 +281,7 @@ def finish_args(args):
 
 
 def main(argv=None) -> int:
-    args = finish_args(parser().parse_args(argv))
-    print(f"# python -m benchmarks.train_mfu {' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
-    res = run(args, lambda s: print(s, flush=True))
-    print("\n".join(report(args, res)))
-    return 0
+    return run_cli("benchmarks.train_mfu", parser, finish_args, run, report, argv)
 
 
 if __name__ == "__main__":
