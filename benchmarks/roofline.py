@@ -568,11 +568,10 @@ def cost_analysis_check(model: str, dtype, rows: int, context: int) -> tuple[dic
 # ---------------------------------------------------------------------------------- report
 def fraction_line(model: str, dtype_name: str, row: Row, hw: Hardware) -> str:
     """One line per figure: model, B=, context, time, 'NN% of HBM bound'."""
-    bound, what = row.bound(hw)
-    f = bound / row.t
-    what = f"decode B={row.batch} context {row.context}{row.suffix}" if row.kind == "decode" else row.label
-    return (f"{cm.MODEL_NAMES.get(model, model)} {dtype_name} {what}: {row.t * 1e3:.3g} ms "
-            f"(bound {bound * 1e3:.3g} ms): {100 * f:.0f}% of {what}")
+    bound, kind = row.bound(hw)
+    figure = f"decode B={row.batch} context {row.context}{row.suffix}" if row.kind == "decode" else row.label
+    return (f"{cm.MODEL_NAMES.get(model, model)} {dtype_name} {figure}: {row.t * 1e3:.3g} ms "
+            f"(bound {bound * 1e3:.3g} ms): {100 * bound / row.t:.0f}% of {kind}")
 
 
 def table(rows: list[Row], hw: Hardware) -> list[str]:
