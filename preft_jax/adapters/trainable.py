@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from preft_jax.adapters.bank import AdapterBank
+from preft_jax.adapters.bank import AdapterBank, BankLayout, slot_update, stack_slots
 from preft_jax.adapters.config import LoraConfig, LoraWeights, ReftConfig, ReftWeights
-from preft_jax.adapters.policy import PolicyTable, PositionPolicy
 from preft_jax.config import PROJECTION_AXES, ModelConfig
 
 
@@ -32,13 +31,11 @@ def _layer_mask(cfg: ModelConfig, layers) -> np.ndarray:
     return mask
 
 
-def _policy(policy: PositionPolicy) -> PolicyTable:
-    return PolicyTable.encode([PositionPolicy(), policy])
-
-
-def _with_base_slot(x):
-    """[L, ...] -> [L, 2, ...] with slot 0 zeros."""
-    return jnp.stack([jnp.zeros_like(x), x], axis=1)
+def _two_slot_bank(cfg: ModelConfig, weights: LoraWeights | ReftWeights, dtype) -> AdapterBank:
+    """The 2-slot bank (slot 0 base, slot 1 `weights`) through the bank's one slot writer, kept
+    traced (jnp) so gradients flow into the adapter."""
+    layout = BankLayout.fitting(cfg, [weights])
+    return stack_slots([slot_update(layout, None, jnp, dtype), slot_update(layout, weights, jnp, dtype)], jnp)
 
 
 def param_axes(params: dict) -> dict:
@@ -72,9 +69,9 @@ def init_lora(cfg: ModelConfig, config: LoraConfig, key, dtype=jnp.float32) -> d
 
 def lora_bank(cfg: ModelConfig, config: LoraConfig, params: dict) -> AdapterBank:
     mask = jnp.asarray(_layer_mask(cfg, config.layers))[:, None, None]
-    A = {t: _with_base_slot(params["A"][t] * mask) for t in config.targets}
-    B = {t: _with_base_slot(params["B"][t] * mask * config.scale) for t in config.targets}
-    return AdapterBank(A, B, None, None, None, None, _policy(config.policy))
+    weights = LoraWeights(config, A={t: params["A"][t] * mask for t in config.targets},
+                          B={t: params["B"][t] * mask for t in config.targets})
+    return _two_slot_bank(cfg, weights, params["A"][config.targets[0]].dtype)
 
 
 def lora_weights(config: LoraConfig, params: dict, cfg: ModelConfig) -> LoraWeights:
@@ -121,9 +118,7 @@ def effective_reft(cfg: ModelConfig, config: ReftConfig, params: dict):
 
 def reft_bank(cfg: ModelConfig, config: ReftConfig, params: dict) -> AdapterBank:
     R, W, b = effective_reft(cfg, config, params)
-    subtract = jnp.asarray([0.0, 1.0 if config.kind == "loreft" else 0.0], R.dtype)
-    return AdapterBank({}, {}, _with_base_slot(R), _with_base_slot(W), _with_base_slot(b), subtract,
-                       _policy(config.policy))
+    return _two_slot_bank(cfg, ReftWeights(config, R, W, b), R.dtype)
 
 
 def reft_weights(config: ReftConfig, params: dict, cfg: ModelConfig) -> ReftWeights:
