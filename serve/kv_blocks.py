@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import struct
 from typing import Sequence
 
 import numpy as np
@@ -164,13 +163,3 @@ def block_hashes(tokens: Sequence[int], block_size: int, first_adapted: int, ada
         parent = h.digest()
         out.append(parent)
     return out
-
-
-def adapter_identity(name: str, weights_digest: bytes, policy: tuple) -> bytes:
-    """What the prefix cache keys an adapted block on: the name, a digest of the weights and the
-    effective position policy (a reloaded adapter with new weights never hits stale blocks)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(name.encode("utf-8"))
-    h.update(weights_digest)
-    h.update(struct.pack("<?qq", bool(policy[0]), int(policy[1]), int(policy[2])))
-    return h.digest()

@@ -1,0 +1,88 @@
+"""The adapter registry's two parts without an engine: the catalog (names, references, versions and
+the identity the prefix cache keys on) and the adapter slots (pinning, LRU eviction, static banks,
+mode switches). Bank contents are checked against a float64 recompute in tests/test_bank_writer.py."""
+import pytest
+
+from adapter_factory import random_lora, random_reft
+from preft_jax.adapters.bank import build_bank
+from preft_jax.adapters.policy import PositionPolicy
+from preft_jax.config import tiny_config
+from serve.errors import AdapterInUseError, UnknownAdapterError
+from serve.registry import AdapterRegistry, NoDeviceSlot, with_policy
+
+CFG = tiny_config()
+
+
+def _registry(capacity=2, **kw):
+    return AdapterRegistry(CFG, capacity, lora_targets=("q", "v"), lora_rank=4, reft_rank=4, **kw)
+
+
+def _ref(reg, name):
+    ref = reg.acquire(name)
+    assert reg.resolve(ref) is not None
+    return ref
+
+
+def test_identity_names_the_weights_and_the_policy():
+    reg = _registry()
+    w1, w2 = random_lora(CFG, 1, targets=("q",)), random_lora(CFG, 2, targets=("q",))
+    reg.load("a", w1)
+    r1 = _ref(reg, "a")
+    assert reg.identity(r1).startswith(b"a\0") and reg.identity(None) is None
+    assert reg.identity(_ref(reg, "a")) == reg.identity(r1)              # same version, same identity
+    reg.release(r1)
+    reg.release(reg.acquire("a"))
+    with pytest.raises(AdapterInUseError, match=r"^adapter 'a' is used by 1 running or queued request\(s\); "
+                                                r"retry when they finish$"):
+        reg.unload("a")                                                  # the second _ref is still held
+    other = _registry()
+    other.load("a", w2)                                                  # new weights
+    other.load("b", random_lora(CFG, 1, targets=("q",), policy=PositionPolicy(last_k=2)))   # w1, new policy
+    ids = {reg.identity(r1), other.identity(_ref(other, "a")), other.identity(_ref(other, "b"))}
+    assert len(ids) == 3
+    everything = _registry(mode="all")
+    everything.load("a", w1)
+    ra = _ref(everything, "a")
+    assert everything.policy(ra) == PositionPolicy("all") and everything.identity(ra) not in ids
+
+
+def test_adapter_slots_pin_lru_and_unload():
+    reg = _registry(capacity=2)
+    for i, name in enumerate("abc"):
+        reg.load(name, random_lora(CFG, i, targets=("q",)) if name != "b" else random_reft(CFG, i))
+    ra, rb = _ref(reg, "a"), _ref(reg, "b")
+    assert (reg.pin(ra), reg.pin(rb)) == (1, 2) and reg.pin(ra) == 1     # pinning twice is one pin
+    rc = _ref(reg, "c")
+    with pytest.raises(NoDeviceSlot, match=r"^all 2 device adapter slots are pinned$"):
+        reg.pin(rc)
+    reg.unpin(rb)
+    reg.unpin(ra)                                                        # a was pinned first: the LRU slot
+    assert reg.pin(rc) == 1 and reg.stats.device_evictions == 1
+    assert reg.resident(rb) and not reg.resident(ra)
+    assert reg.occupancy()["device_pinned"] == 1 and reg.occupancy()["device_resident"] == 2
+    hits = reg.stats.device_hits
+    assert reg.pin(rb) == 2 and reg.stats.device_hits == hits + 1       # still resident: a device hit
+    for r in (ra, rb, rc):
+        reg.release(r)                                                   # release unpins
+    assert reg.occupancy()["device_pinned"] == 0 and reg.in_use("b") == 0
+    reg.unload("b")                                                      # its unpinned slot is emptied
+    assert not reg.resident(rb) and reg.occupancy()["device_resident"] == 1
+    with pytest.raises(UnknownAdapterError, match=r"^unknown adapter 'b' \(not registered; registered: a, c\)$"):
+        reg.acquire("b")
+
+
+def test_prebuilt_bank_is_static_and_switches_mode():
+    window = PositionPolicy(last_k=3)
+    adapters = [random_lora(CFG, 1, targets=("q",), policy=window), random_lora(CFG, 2, targets=("q",))]
+    reg = AdapterRegistry.from_bank(CFG, build_bank(CFG, adapters), ["x", "y"])
+    rx, ry = _ref(reg, "x"), _ref(reg, "y")
+    assert (reg.pin(rx), reg.pin(ry)) == (1, 2) and reg.stats.device_misses == 0
+    assert reg.policy(rx) == window and reg.policy(ry) == PositionPolicy()
+    reg.release(rx)
+    reg.release(ry)
+    reg.set_mode("all")
+    assert [reg.bank.policy.slot_policy(i) for i in range(3)] == [PositionPolicy()] + [PositionPolicy("all")] * 2
+    assert reg.policy(_ref(reg, "x")) == PositionPolicy("all")           # what the prefix cache sees too
+    reg2 = AdapterRegistry.from_bank(CFG, build_bank(CFG, [with_policy(adapters[0], "all")]), ["x"], mode="all")
+    reg2.set_mode("prefill")
+    assert reg2.policy(_ref(reg2, "x")) == PositionPolicy()
