@@ -446,7 +446,7 @@ class Engine:
                 "step_in_progress_s": round(step_age, 3),
                 "last_step_age_s": None if self._last_step_end is None else round(now - self._last_step_end, 3),
                 "steps": self.steps, "queued": self.queued, "max_queued": self.config.max_queued,
-                "running": self.active, "slots": self.config.max_num_seqs,
+                "running": self.active, "decode_rows": self.config.max_num_seqs,
                 "saturation": round(self.active / self.config.max_num_seqs, 3),
                 "queue_saturation": round(self.queued / max(1, self.config.max_queued), 3),
                 "kv_blocks": self.pool.capacity, "kv_blocks_used": self.pool.capacity - self.pool.num_available,

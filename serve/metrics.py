@@ -1,43 +1,26 @@
-"""Prometheus text-format metrics (no dependency): counters, gauges and histograms.
+"""Serving metrics with prometheus_client.
 
-`EngineMetrics` is what the engine counts; the server adds per-request HTTP counters and renders
-everything with `render()` at GET /metrics.
+* `EngineMetrics`: what the engine counts from its own thread (plain ints and counters, a
+  tokens/s window, two latency histograms); the engine owns it and knows nothing of HTTP.
+* `ServerMetrics`: one `CollectorRegistry` per app (never the process-global one, so two apps in
+  one process never mix): the HTTP layer's own counters, plus `EngineCollector`, which reads the
+  engine, its KV block pool, scheduler and adapter registry when /metrics is scraped.
+
+Vocabulary: a *decode row* is a row of the decode batch (one running sequence); an *adapter slot*
+is a slot of the device adapter bank; a *KV block* is a block of the paged KV cache pool.
 """
 from __future__ import annotations
 
-import bisect
 import collections
 import threading
 import time
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class Histogram:
-    def __init__(self, buckets=DEFAULT_BUCKETS):
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self.counts[bisect.bisect_left(self.buckets, value)] += 1
-            self.sum += value
-            self.count += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        sep = "," if labels else ""
-        out, cum = [], 0
-        with self._lock:
-            for le, c in zip(self.buckets + (float("inf"),), self.counts):
-                cum += c
-                le_s = "+Inf" if le == float("inf") else repr(le)
-                out.append(f'{name}_bucket{{{labels}{sep}le="{le_s}"}} {cum}')
-            out.append(f"{name}_sum{{{labels}}} {self.sum}" if labels else f"{name}_sum {self.sum}")
-            out.append(f"{name}_count{{{labels}}} {self.count}" if labels else f"{name}_count {self.count}")
-        return out
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class RateWindow:
@@ -66,7 +49,8 @@ class RateWindow:
 
 
 class EngineMetrics:
-    """Counters the engine updates from its thread (plain ints: single writer)."""
+    """Counters the engine updates from its thread (plain ints: single writer). The histograms are
+    unregistered prometheus_client Histograms; `EngineCollector` exports them."""
 
     def __init__(self):
         self.requests_submitted = 0
@@ -77,8 +61,10 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.by_mode: collections.Counter = collections.Counter()          # requests per serving mode
         self.tokens_per_s = RateWindow()
-        self.ttft = Histogram()
-        self.inter_token = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+        self.ttft = Histogram("preft_time_to_first_token_seconds", "submit to first token",
+                              buckets=DEFAULT_BUCKETS, registry=None)
+        self.inter_token = Histogram("preft_inter_token_seconds", "time between a request's tokens",
+                                     buckets=INTER_TOKEN_BUCKETS, registry=None)
 
     @property
     def generated_tokens(self) -> int:
@@ -90,21 +76,92 @@ class EngineMetrics:
         self._generated = value
 
 
-def _label(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _counter(name: str, doc: str, value=None, labels: tuple = (), samples=()):
+    fam = CounterMetricFamily(name, doc, value, labels=labels or None)
+    for values, v in samples:
+        fam.add_metric(values, v)
+    return fam
 
 
-def render(families: list[tuple[str, str, str, list]]) -> str:
-    """families: (name, type, help, samples); a sample is (labels dict, value) or a Histogram
-    (with an optional labels dict as (labels, Histogram))."""
-    out = []
-    for name, kind, help_text, samples in families:
-        out.append(f"# HELP {name} {help_text}")
-        out.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            lab = ",".join(f'{k}="{_label(v)}"' for k, v in sorted(labels.items()))
-            if isinstance(value, Histogram):
-                out.extend(value.lines(name, lab))
-            else:
-                out.append(f"{name}{{{lab}}} {float(value)}" if lab else f"{name} {float(value)}")
-    return "\n".join(out) + "\n"
+def _gauge(name: str, doc: str, value):
+    return GaugeMetricFamily(name, doc, value)
+
+
+class EngineCollector:
+    """A prometheus_client custom collector: the engine's state, read at scrape time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        eng = self.engine
+        m, h, reg = eng.metrics, eng.health(), eng.registry
+        st, occ, pool = reg.stats, reg.occupancy(), eng.pool.stats
+        tiers = ("host", "device")
+        yield _counter("preft_requests_submitted_total", "requests accepted by the engine", m.requests_submitted)
+        yield _counter("preft_requests_finished_total", "requests finished, by finish reason", labels=("reason",),
+                       samples=[((r,), n) for r, n in sorted(m.requests_finished.items())])
+        yield _counter("preft_requests_failed_total", "requests failed after acceptance, by error code",
+                       labels=("code",), samples=[((c,), n) for c, n in sorted(m.requests_failed.items())])
+        yield _counter("preft_step_failures_total", "failed engine steps, by phase", labels=("phase",),
+                       samples=[((p,), n) for p, n in sorted(m.step_failures.items())])
+        yield _counter("preft_generated_tokens_total", "tokens generated", m.generated_tokens)
+        yield _counter("preft_prompt_tokens_total", "prompt tokens prefilled", m.prompt_tokens)
+        yield _gauge("preft_generation_tokens_per_second", "generated tokens/s over the last 10 s",
+                     m.tokens_per_s.rate())
+        yield _gauge("preft_queue_depth", "requests waiting to be admitted", h["queued"])
+        yield _gauge("preft_queue_capacity", "max waiting requests before 429", h["max_queued"])
+        yield _gauge("preft_running_requests", "requests holding a decode row", h["running"])
+        yield _gauge("preft_decode_rows", "rows of the decode batch (sequences that can run at once)",
+                     h["decode_rows"])
+        yield _gauge("preft_adapters_loaded", "adapters loaded", len(reg.names()))
+        yield _gauge("preft_engine_wedged", "1 when the engine loop is stuck or dead", int(h["wedged"]))
+        yield _counter("preft_requests_by_mode_total", "requests accepted, by serving mode", labels=("mode",),
+                       samples=[((k,), n) for k, n in sorted(m.by_mode.items())])
+        yield _gauge("preft_kv_blocks", "KV blocks in the pool", h["kv_blocks"])
+        yield _gauge("preft_kv_blocks_used", "KV blocks held by sequences", h["kv_blocks_used"])
+        yield _counter("preft_prefix_cache_hits_total", "KV blocks served from the prefix cache", pool.hits)
+        yield _counter("preft_prefix_cache_misses_total", "cacheable KV blocks computed", pool.misses)
+        yield _counter("preft_prefix_cache_evictions_total", "cached KV blocks evicted", pool.evictions)
+        yield _counter("preft_preemptions_total", "sequences preempted (recomputed later) when the KV pool ran out",
+                       eng.scheduler.preemptions)
+        yield _counter("preft_adapter_cache_hits_total", "adapter lookups by tier that found it resident",
+                       labels=("tier",), samples=zip([(t,) for t in tiers], (st.host_hits, st.device_hits)))
+        yield _counter("preft_adapter_cache_misses_total", "adapter lookups by tier that had to load it",
+                       labels=("tier",), samples=zip([(t,) for t in tiers], (st.host_misses, st.device_misses)))
+        yield _counter("preft_adapter_cache_evictions_total", "adapters evicted, by tier", labels=("tier",),
+                       samples=zip([(t,) for t in tiers], (st.host_evictions, st.device_evictions)))
+        yield _counter("preft_adapter_load_failures_total", "adapter loads that failed", st.load_failures)
+        yield from st.load_seconds.collect()
+        yield _gauge("preft_adapter_slots", "adapter slots of the device bank", occ["device_slots"])
+        yield _gauge("preft_adapter_slots_pinned", "adapter slots pinned by running prefills (PreFT) or requests",
+                     occ["device_pinned"])
+        yield _gauge("preft_adapter_slots_resident", "adapter slots holding an adapter", occ["device_resident"])
+        yield _gauge("preft_host_adapter_bytes", "host memory held by loaded adapters", occ["host_bytes"])
+        yield from m.ttft.collect()
+        yield from m.inter_token.collect()
+
+
+class ServerMetrics:
+    """The app's own registry: HTTP counters and the engine's collector."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.responses = Counter("preft_http_responses", "HTTP responses by route and status code",
+                                 ("path", "code"), registry=self.registry)
+        self.disconnects = Counter("preft_client_disconnects", "requests cancelled because the client went away",
+                                   registry=self.registry)
+        self.adapter_loads = Counter("preft_adapter_loads", "run-time adapter loads, by outcome", ("outcome",),
+                                     registry=self.registry)
+        self.registry.register(EngineCollector(engine))
+
+    def on_response(self, scope, status: int) -> None:
+        """Counts one response (LimitsMiddleware's hook) under its route's path template."""
+        route = scope.get("route")
+        self.responses.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """(body, content type) for a scrape's Accept header: the Prometheus text format 0.0.4, or
+        OpenMetrics when the scraper asks for it."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

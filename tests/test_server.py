@@ -62,7 +62,7 @@ def stack(tmp_path_factory):
     server = BackgroundServer(app).start()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
     yield dict(cfg=cfg, runner=runner, adapters=adapters, folder=str(folder), tok=tok, server=server,
-               client=client, url=server.url)
+               client=client, url=server.url, engine=engine)
     server.stop()
     engine.shutdown()
 
@@ -209,6 +209,47 @@ def test_failures_do_not_affect_running_requests(stack):
 
 
 @pytest.mark.real_model
+def _samples(text: str) -> dict:
+    """{(sample name, sorted labels): value} of a Prometheus text scrape, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_and_health_words_and_per_app_registry(stack):
+    from prometheus_client import REGISTRY
+    eng = stack["engine"]
+    r = stack["client"].completions.create(model="lora-a", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason
+    for _ in range(500):                                   # the engine is idle: its counters are still
+        if eng.health()["running"] == 0 and eng.health()["queued"] == 0:
+            break
+        threading.Event().wait(0.01)
+    resp = httpx.get(f"{stack['url']}/metrics")
+    assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    got = _samples(resp.text)
+    m, occ = eng.metrics, eng.registry.occupancy()
+    assert got[("preft_generated_tokens_total", ())] == m.generated_tokens > 0
+    assert got[("preft_prompt_tokens_total", ())] == m.prompt_tokens > 0
+    for reason, n in m.requests_finished.items():
+        assert got[("preft_requests_finished_total", (("reason", reason),))] == n
+    assert got[("preft_decode_rows", ())] == eng.config.max_num_seqs == 4
+    assert got[("preft_adapter_slots", ())] == occ["device_slots"] == 4
+    assert got[("preft_adapter_slots_resident", ())] == occ["device_resident"] >= 1
+    assert got[("preft_kv_blocks", ())] == eng.pool.capacity
+    assert got[("preft_http_responses_total", (("code", "200"), ("path", "/v1/completions")))] >= 1
+    ttft = got[("preft_time_to_first_token_seconds_count", ())]
+    assert ttft >= 1 and got[("preft_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == ttft
+    assert not any(name in ("preft_slots", "preft_device_adapter_slots") for name, _ in got)
+    h = httpx.get(f"{stack['url']}/health").json()
+    assert h["decode_rows"] == 4 and h["adapter_slots"] == 4 and "slots" not in h
+    # a second app on the same engine has its own registry: engine state shared, HTTP counts not
+    other = _samples(create_app(eng, stack["tok"], model_id=BASE).state.api.metrics.exposition(None)[0].decode())
+    assert other[("preft_generated_tokens_total", ())] == m.generated_tokens
+    assert not any(name == "preft_http_responses_total" for name, _ in other)
+    assert not any(name.startswith("preft_") for name in REGISTRY._names_to_collectors)   # never the global one
+
+
 def test_real_model_chat_and_completion(default_model):
     """SmolLM2-135M + its real tokenizer behind the server: greedy chat == ModelRunner.generate alone."""
     cfg, params, tok = default_model

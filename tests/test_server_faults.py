@@ -385,7 +385,7 @@ def _metric(text: str, name: str) -> float:
 
 def test_health_metrics_and_memory(server, alone):
     h = _idle(server)
-    assert h["status"] == "ok" and not h["wedged"] and h["loop_running"] and h["slots"] == 4
+    assert h["status"] == "ok" and not h["wedged"] and h["loop_running"] and h["decode_rows"] == 4
     assert h["last_step_age_s"] is not None
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("preft_http_responses_total", "preft_queue_depth", "preft_generated_tokens_total",

@@ -1,0 +1,50 @@
+"""POST /v1/chat/completions (chat template off the event loop, n, logprobs, SSE)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from serve import protocol
+from serve.access import check_api_key
+from serve.api.common import api_context, client_closed, include_usage
+from serve.api.formatting import ChatFormat
+
+DEFAULT_CHAT_MAX_TOKENS = 256
+CHAT_TEMPLATE_OVERHEAD_TOKENS = 256     # room the pre-check leaves for the template's own tokens
+
+router = APIRouter()
+
+
+def _encoder(tokenizer):
+    def encode_chat(msgs):
+        if hasattr(tokenizer, "encode_chat"):
+            return tokenizer.encode_chat(msgs, add_generation_prompt=True)
+        return tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+    return encode_chat
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    ctx = api_context(request)
+    check_api_key(ctx.config, request.headers)
+    body = protocol.parse_json(await request.body())
+    adapter = ctx.adapter_for(body)
+    protocol.common_checks(body)
+    n = protocol.n_choices(body, ctx.engine.config.max_num_seqs)
+    k_lp = protocol.chat_logprobs(body)
+    msgs = protocol.chat_messages(body)
+    ctx.precheck(sum(len(m["content"].encode("utf-8")) for m in msgs), "the conversation",
+                 CHAT_TEMPLATE_OVERHEAD_TOKENS)
+    prompt_ids = await ctx.tokenize(_encoder(ctx.tokenizer), msgs)
+    max_tokens = protocol.max_tokens(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS,
+                                     len(prompt_ids), ctx.max_len)
+    sp = protocol.sampling(body, max_tokens, ctx.default_stop, ctx.vocab, logprobs=k_lp)
+    stop = protocol.stop_strings(body)
+    reqs, sink = await ctx.submit(request, [prompt_ids], adapter, [sp], stop, n)
+    fmt = ChatFormat(body["model"], ctx.tokenizer, ctx.token_text, prompt_ids, len(reqs), k_lp)
+    if body.get("stream"):
+        return StreamingResponse(ctx.stream(reqs, sink, fmt, include_usage(body)), media_type="text/event-stream")
+    results = await ctx.wait(request, reqs, sink)
+    if results is None:
+        return client_closed()
+    return fmt.response(reqs, results)

@@ -1,0 +1,175 @@
+"""What every route shares: the app's `ApiContext` (engine, tokenizer, limits, metrics) with the
+steps of serving a request (resolve the model, pre-check and tokenize off the event loop, submit,
+wait or stream the engine's events), and the OpenAI error envelope."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from preft_jax.sampling import SamplingParams
+from serve import protocol
+from serve.access import ServerConfig
+from serve.api.formatting import SSE_DONE, sse
+from serve.bridge import AsyncSink, ClientGone, TaggedSink, collect_many
+from serve.errors import EngineError, PromptTooLongError, RequestError, UnknownAdapterError
+from serve.logprobs import TokenText
+from serve.metrics import ServerMetrics
+from serve.protocol import BadRequest
+
+log = logging.getLogger("serve.server")
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    etype = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404:
+        etype = "not_found_error"
+    elif status == 401:
+        etype = "authentication_error"
+    elif status == 403:
+        etype = "permission_error"
+    elif status == 429:
+        etype = "rate_limit_error"
+    return JSONResponse({"error": {"message": message, "type": etype, "code": code, "param": param}},
+                        status_code=status, headers=headers)
+
+
+def client_closed() -> JSONResponse:
+    return error_response(499, "client closed the request", "client_closed")
+
+
+def request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+
+
+def unknown_model(name: str, known: str | None) -> UnknownAdapterError:
+    return UnknownAdapterError(f"The model {name!r} does not exist" + (f" (available: {known})" if known else ""),
+                               "model")
+
+
+@dataclasses.dataclass
+class ApiContext:
+    engine: object
+    tokenizer: object
+    model_id: str
+    config: ServerConfig
+    metrics: ServerMetrics
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        tok = self.tokenizer
+        self.default_stop = tuple(int(i) for i in getattr(tok, "eos_token_ids", ()) or ()) or (-1,)
+        self.max_len = self.engine.config.max_model_len
+        self.vocab = self.engine.runner.cfg.vocab_size
+        self.tok_limiter = anyio.CapacityLimiter(self.config.tokenizer_threads)
+        self.max_token_bytes = getattr(tok, "max_token_bytes", None)
+        self.retry = {"Retry-After": str(self.config.retry_after_s)}
+        self.token_text = TokenText(tok)
+
+    @property
+    def registry(self):
+        return self.engine.registry
+
+    def adapter_for(self, body: dict) -> str | None:
+        """The adapter `body["model"]` names (None: the base model). Raises UnknownAdapterError."""
+        model = protocol.get(body, "model", str)
+        if model == self.model_id:
+            return None
+        if model not in self.registry:
+            raise unknown_model(model, ", ".join([self.model_id] + sorted(self.registry.names())))
+        return model
+
+    def precheck(self, n_bytes: int, what: str, overhead_tokens: int = 0) -> None:
+        """Refuses text that cannot fit the context whatever it tokenizes to (no tokenization)."""
+        if self.max_token_bytes and n_bytes > (self.max_len - 1 + overhead_tokens) * self.max_token_bytes:
+            raise PromptTooLongError(f"{what} is {n_bytes} bytes; it cannot fit the context length of {self.max_len} "
+                                     f"tokens", "prompt" if what == "prompt" else "messages")
+
+    async def tokenize(self, fn, *args):
+        """`fn(*args)` on the tokenizer threads (off the event loop)."""
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self.tok_limiter)
+        except RequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles, ...)
+            raise BadRequest(f"could not apply the chat template: {e}"[:500], "messages") from None
+
+    async def submit(self, request: Request, prompts: list[list[int]], adapter: str | None,
+                     sps: list[SamplingParams], stop: tuple[str, ...], n: int):
+        """Every prompt x n completions, all or nothing: (requests in choice order, their shared sink).
+        Choice k is prompt k // n, sample k % n (OpenAI's order)."""
+        engine = self.engine
+        if adapter is not None:        # load it (disk -> host) before anything starts: errors are 4xx
+            await asyncio.wait_for(asyncio.wrap_future(engine.registry.prepare(adapter)),
+                                   engine.config.request_timeout)
+        sink = AsyncSink()
+        rid = request_id(request)
+        reqs = []
+        try:
+            for i, (ids, sp) in enumerate(zip(prompts, sps)):
+                sinks = [TaggedSink(sink, len(reqs) + j) for j in range(n)]
+                reqs += engine.submit_n(ids, adapter, sp, n, stop, events=sinks,
+                                        request_id=rid if len(prompts) == 1 else f"{rid}-p{i}")
+        except BaseException:
+            for r in reqs:
+                engine.cancel(r)
+            raise
+        return reqs, sink
+
+    async def wait(self, request: Request, reqs, sink):
+        """The requests' Results in order; None when the client went away (they are cancelled)."""
+        try:
+            return await collect_many(self.engine, reqs, sink, request.is_disconnected)
+        except ClientGone:
+            self.metrics.disconnects.inc()
+            return None
+
+    async def stream(self, reqs, sink, fmt, include_usage: bool):
+        """SSE over the requests' events, formatted by `fmt` (serve/api/formatting.py). A client
+        disconnect cancels the generator (Starlette), and `finally` cancels the requests."""
+        outs = [r.output() for r in reqs]
+        deadline = max((r.deadline for r in reqs if r.deadline is not None), default=None)
+        results = [None] * len(reqs)
+        try:
+            for chunk in fmt.first_chunks():
+                yield sse(chunk)
+            left = len(reqs)
+            while left:
+                tag, event = await sink.get(deadline)
+                for kind, payload in outs[tag].handle(event):
+                    if kind == "delta":
+                        for chunk in fmt.delta_chunks(tag, outs[tag], *payload):
+                            yield sse(chunk)
+                    elif kind == "done":
+                        results[tag] = payload
+                        left -= 1
+                        for chunk in fmt.done_chunks(tag, outs[tag], payload):
+                            yield sse(chunk)
+                    else:
+                        raise payload
+            if include_usage:
+                yield sse(fmt.usage_chunk(results))
+        except EngineError as e:            # the engine failed a request: tell the client, end cleanly
+            yield sse({"error": {"message": str(e), "type": "server_error", "code": e.code}})
+        finally:
+            live = [r for r, out in zip(reqs, outs) if not out.done]
+            if live and not any(out.done and res is None for out, res in zip(outs, results)):
+                self.metrics.disconnects.inc()     # gone before the end (not ended by an engine error)
+            for r in live:
+                self.engine.cancel(r)
+        yield SSE_DONE
+
+
+def api_context(request: Request) -> ApiContext:
+    return request.app.state.api
+
+
+def include_usage(body: dict) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
