@@ -1,13 +1,20 @@
-"""The prefill/decode core shared by serving, RL rollouts and tests.
+"""`ModelRunner` and the fixed-row prefill/decode path: RL rollouts, `python -m preft_jax`, tests.
+
+`ModelRunner` holds the split model (and its mesh) for everyone, the serving engine included; the
+engine's own step is preft_jax/paged_step.py (paged KV cache, continuous batching), which shares the
+sampler (preft_jax/sampling.py) and the per-token adapter masking (preft_jax/adapters/policy.py)
+with the functions here, not these functions. `ModelRunner.generate` runs a batch of prompts to
+completion over a preallocated `KVCache` (one row per sequence); `sequence_logits` /
+`sequence_hidden` are the teacher-forced training forward.
 
 Pure jitted step functions take `(graphdef, state)` of a split `Llama` (split once, in
 `ModelRunner`) and the adapter bank as arguments, so new adapter weights never recompile. Each
 step builds its `AdapterContext` once (token -> slot layout; grouped for prefill and teacher
 forcing, per-token gather for decode) and every layer uses it.
 
-* `prefill_step`: adapted prefill of a right-padded prompt batch into cache slots; returns the
+* `prefill_step`: adapted prefill of a right-padded prompt batch into cache rows; returns the
   logits of each prompt's last token (which samples the first output token).
-* `decode_step`: one token per cache slot. With `bank=None` it is the plain base model: the
+* `decode_step`: one token per cache row. With `bank=None` it is the plain base model: the
   prefill-only (PreFT) decode. With a bank, rows whose adapter acts on generated tokens (all-token
   and activated policies) use it; PreFT rows still decode on base.
 * `sequence_logits`: teacher-forced logits for training, with the same per-token adapter

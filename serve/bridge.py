@@ -2,8 +2,8 @@
 
 The engine puts a request's events into an `AsyncSink` from its own thread; the sink hands them to
 the event loop with `call_soon_threadsafe`. Handlers await them with a deadline and, while waiting,
-watch for the client going away, cancelling the request (which frees its slot and its adapter
-reference at the engine's next step).
+watch for the client going away, cancelling the request (which frees its decode row, its KV
+blocks and its adapter reference at the engine's next step).
 """
 from __future__ import annotations
 
@@ -55,8 +55,10 @@ class AsyncSink:
 
 
 async def collect_many(engine, reqs, sink: AsyncSink, is_disconnected) -> list:
-    """`collect` for several requests feeding one sink through TaggedSinks tagged 0..len-1: their
-    Results in order. A failure of one cancels the others and raises it."""
+    """Awaits the Results (in order) of requests feeding one sink through TaggedSinks tagged
+    0..len-1. A failure of one cancels the others and raises it; a client that disconnects
+    (checked every POLL_S seconds, whether or not tokens are arriving) raises ClientGone, and
+    every unfinished request is cancelled."""
     checked = time.monotonic()
     outs = [r.output() for r in reqs]
     results = [None] * len(reqs)
@@ -84,30 +86,3 @@ async def collect_many(engine, reqs, sink: AsyncSink, is_disconnected) -> list:
         for r, out in zip(reqs, outs):
             if not out.done:
                 engine.cancel(r)
-
-
-async def collect(engine, req, sink: AsyncSink, is_disconnected):
-    """Awaits a non-streaming request's terminal event; cancels it if the client disconnects
-    (checked every POLL_S seconds, whether or not tokens are arriving)."""
-    checked = time.monotonic()
-    out = req.output()
-    try:
-        while True:
-            try:
-                events = out.handle(await sink.get(req.deadline, POLL_S))
-            except asyncio.TimeoutError:
-                events = []
-            for kind, payload in events:
-                if kind == "done":
-                    return payload
-                if kind == "error":
-                    raise payload
-            if time.monotonic() - checked >= POLL_S:
-                checked = time.monotonic()
-                if await is_disconnected():
-                    engine.cancel(req)
-                    raise ClientGone()
-    except BaseException:
-        if not out.done:
-            engine.cancel(req)
-        raise

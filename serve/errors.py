@@ -21,7 +21,7 @@ class UnknownAdapterError(RequestError):
 
 
 class PromptTooLongError(RequestError):
-    """prompt (+ max_tokens) does not fit the per-slot KV cache."""
+    """prompt (+ max_tokens) does not fit the context length (max_model_len)."""
     code = "context_length_exceeded"
 
 
@@ -38,7 +38,8 @@ class AdapterExistsError(RequestError):
 
 
 class AdapterCapacityError(RequestError):
-    """Every adapter slot of the bank is taken."""
+    """No room for another adapter: every registration (max_registered) is in use, or the engine
+    has no adapter slots at all."""
     status = 409
     code = "adapter_capacity_exhausted"
 

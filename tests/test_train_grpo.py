@@ -120,7 +120,7 @@ def test_rollouts_and_one_update(runner, trainers, mode):
     assert ro.prompts[:4] == [prompts[0]] * 4
     for c, r in zip(ro.completions, ro.responses):
         assert len(c) <= 6 and 2 not in c and r[:len(c)] == c and len(r) - len(c) in (0, 1)
-    # the rollouts are the serving path: same key -> same samples as ModelRunner.generate directly
+    # the rollouts are ModelRunner.generate: same key -> same samples as ModelRunner.generate directly
     bank = adapter_bank(CFG, tr.adapter_config, ts.params)
     direct = runner.generate(ro.prompts, tr.sampling(), bank, [1] * 8, jax.random.key(3))
     assert [g.tokens for g in direct] == ro.completions

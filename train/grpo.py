@@ -3,7 +3,8 @@
 Per step:
 
 1. rollouts: each of `prompts_per_step` prompts is sampled `group_size` times in one
-   `ModelRunner.generate(..., group=G)` call - the serving prefill/decode core and its sampler
+   `ModelRunner.generate(..., group=G)` call - the fixed-row prefill/decode of preft_jax/generation.py
+   (not the paged serving engine) and the sampler serving uses too
    (`preft_jax.sampling.sample`: top_p = 1 draws by inverse CDF, no vocabulary sort); each prompt
    is prefilled once and its cache rows are repeated for the group. In prefill mode the adapter builds the
    prompt KV cache (and samples the first token); every later token is decoded on base weights.
@@ -166,7 +167,7 @@ class GRPOTrainer(Trainer):
                               stop_token_ids=self.stop)
 
     def rollout(self, params, prompts: Sequence[Sequence[int]], answers: Sequence, key) -> Rollouts:
-        """G samples per prompt via ModelRunner.generate with the adapter in slot 1 (serving path).
+        """G samples per prompt via ModelRunner.generate with the adapter in bank slot 1.
 
         Every process runs the same generation (same key, globally sharded model): identical rollouts."""
         G = self.config.group_size
