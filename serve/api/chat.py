@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from serve import protocol
-from serve.access import check_api_key
-from serve.api.common import api_context, client_closed, include_usage
+from serve.api.common import api_context
 from serve.api.formatting import ChatFormat
 
 DEFAULT_CHAT_MAX_TOKENS = 256
@@ -26,10 +24,7 @@ def _encoder(tokenizer):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     ctx = api_context(request)
-    check_api_key(ctx.config, request.headers)
-    body = protocol.parse_json(await request.body())
-    adapter = ctx.adapter_for(body)
-    protocol.common_checks(body)
+    body, adapter = await ctx.read(request)
     n = protocol.n_choices(body, ctx.engine.config.max_num_seqs)
     k_lp = protocol.chat_logprobs(body)
     msgs = protocol.chat_messages(body)
@@ -42,9 +37,4 @@ async def chat_completions(request: Request):
     stop = protocol.stop_strings(body)
     reqs, sink = await ctx.submit(request, [prompt_ids], adapter, [sp], stop, n)
     fmt = ChatFormat(body["model"], ctx.tokenizer, ctx.token_text, prompt_ids, len(reqs), k_lp)
-    if body.get("stream"):
-        return StreamingResponse(ctx.stream(reqs, sink, fmt, include_usage(body)), media_type="text/event-stream")
-    results = await ctx.wait(request, reqs, sink)
-    if results is None:
-        return client_closed()
-    return fmt.response(reqs, results)
+    return await ctx.respond(request, reqs, sink, fmt, body)

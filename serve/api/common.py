@@ -11,11 +11,11 @@ import uuid
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from preft_jax.sampling import SamplingParams
 from serve import protocol
-from serve.access import ServerConfig
+from serve.access import ServerConfig, check_api_key
 from serve.api.formatting import SSE_DONE, sse
 from serve.bridge import AsyncSink, ClientGone, TaggedSink, collect_many
 from serve.errors import EngineError, PromptTooLongError, RequestError, UnknownAdapterError
@@ -39,10 +39,6 @@ def error_response(status: int, message: str, code: str | None = None, param: st
         etype = "rate_limit_error"
     return JSONResponse({"error": {"message": message, "type": etype, "code": code, "param": param}},
                         status_code=status, headers=headers)
-
-
-def client_closed() -> JSONResponse:
-    return error_response(499, "client closed the request", "client_closed")
 
 
 def request_id(request: Request) -> str:
@@ -76,6 +72,25 @@ class ApiContext:
     @property
     def registry(self):
         return self.engine.registry
+
+    async def read(self, request: Request) -> tuple[dict, str | None]:
+        """A generation request's body, after the API key check, parsed, with the adapter its `model`
+        names (None: the base model) and the fields every generation endpoint shares checked."""
+        check_api_key(self.config, request.headers)
+        body = protocol.parse_json(await request.body())
+        adapter = self.adapter_for(body)
+        protocol.common_checks(body)
+        return body, adapter
+
+    async def respond(self, request: Request, reqs, sink, fmt, body: dict):
+        """The submitted requests' answer: an SSE stream when `body["stream"]`, else the whole body
+        once every choice is done (499 when the client went away first)."""
+        if body.get("stream"):
+            return StreamingResponse(self.stream(reqs, sink, fmt, include_usage(body)), media_type="text/event-stream")
+        results = await self.wait(request, reqs, sink)
+        if results is None:
+            return error_response(499, "client closed the request", "client_closed")
+        return fmt.response(reqs, results)
 
     def adapter_for(self, body: dict) -> str | None:
         """The adapter `body["model"]` names (None: the base model). Raises UnknownAdapterError."""

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from serve import protocol
-from serve.access import check_api_key
-from serve.api.common import api_context, client_closed, include_usage
+from serve.api.common import api_context
 from serve.api.formatting import CompletionFormat
 from serve.protocol import BadRequest
 
@@ -18,10 +16,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(request: Request):
     ctx = api_context(request)
-    check_api_key(ctx.config, request.headers)
-    body = protocol.parse_json(await request.body())
-    adapter = ctx.adapter_for(body)
-    protocol.common_checks(body)
+    body, adapter = await ctx.read(request)
     echo = protocol.get(body, "echo", bool, False)
     if body.get("suffix"):
         raise BadRequest("'suffix' is not supported", "suffix")
@@ -44,9 +39,4 @@ async def completions(request: Request):
                                      prompt_logprobs=k_lp if echo else None))
     reqs, sink = await ctx.submit(request, prompts, adapter, sps, stop, n)
     fmt = CompletionFormat(body["model"], tokenizer, ctx.token_text, prompts, prompt_texts, n, echo, k_lp)
-    if body.get("stream"):
-        return StreamingResponse(ctx.stream(reqs, sink, fmt, include_usage(body)), media_type="text/event-stream")
-    results = await ctx.wait(request, reqs, sink)
-    if results is None:
-        return client_closed()
-    return fmt.response(reqs, results)
+    return await ctx.respond(request, reqs, sink, fmt, body)
