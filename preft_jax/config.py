@@ -81,3 +81,27 @@ def tiny_config(**overrides) -> ModelConfig:
                 bos_token_id=1, eos_token_ids=(2,))
     base.update(overrides)
     return ModelConfig(**base)
+
+
+# Published shapes of the models the docs and tools plan for (HF config.json values). One place:
+# benchmarks.memory_plan, scripts/cost_model.py and scripts/device_check.py read them from here.
+_LLAMA31 = dict(vocab_size=128256, n_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_eps=1e-5,
+                tie_embeddings=False, max_seq_len=131072, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+                bos_token_id=128000, eos_token_ids=(128001, 128008, 128009))
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                                ffn_dim=1536, rope_theta=100000.0, rms_eps=1e-5, tie_embeddings=True,
+                                max_seq_len=8192, bos_token_id=1, eos_token_ids=(2,)),
+    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
+                                ffn_dim=4864, rope_theta=1000000.0, rms_eps=1e-6, tie_embeddings=True,
+                                max_seq_len=32768, bos_token_id=None, eos_token_ids=(151643,), qkv_bias=True),
+    "llama-3.1-8b": ModelConfig(d_model=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA31),
+    "llama-3.1-70b": ModelConfig(d_model=8192, n_layers=80, n_heads=64, ffn_dim=28672, **_LLAMA31),
+}
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    """The ModelConfig of a known model by name (`MODEL_PRESETS`), fields replaced by `overrides`."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)}")
+    return dataclasses.replace(MODEL_PRESETS[name], **overrides)

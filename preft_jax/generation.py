@@ -53,11 +53,13 @@ def _token_idx(bank, adapter_ids, positions, prompt_lengths, adapter_starts=None
     return policy.token_adapter_index(bank, adapter_ids, positions, prompt_lengths, adapter_starts)
 
 
-def sequence_hidden(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None, adapter_starts=None):
-    """Teacher-forced final hidden states [B, T, d] (pre final norm). Not jitted: trainers wrap it."""
+def sequence_hidden(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None, adapter_starts=None,
+                    remat: bool = False):
+    """Teacher-forced final hidden states [B, T, d] (pre final norm). Not jitted: trainers wrap it.
+    remat: each layer is recomputed in the backward pass (training memory: one layer's activations)."""
     model = nnx.merge(graphdef, state)
     idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths, adapter_starts)
-    h, _ = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank, row_slots=adapter_ids))
+    h, _ = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank, row_slots=adapter_ids), remat=remat)
     return h
 
 

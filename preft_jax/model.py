@@ -228,13 +228,14 @@ class Llama(nnx.Module):
         return out.reshape(B, T, H, hd).astype(q.dtype)
 
     def _scan_layers(self, h, bank: AdapterBank | None, ctx, positions, attend, cache, layer_xs=None,
-                     with_ys: bool = False, dense=None):
+                     with_ys: bool = False, dense=None, remat: bool = False):
         """Scans the layer body over the stacked weights, carrying `cache` (updated in place).
 
         `layer_xs`: extra per-layer inputs (leading axis n_layers) handed to `attend` as
         (layer index, slice); with_ys: also return the stacked per-layer outputs of `attend`;
         dense: packed projection stacks (closed over, read in place by layer index) replacing the
-        stacked projection weights, which are then not scanned over."""
+        stacked projection weights, which are then not scanned over. remat: the layer body is
+        rematerialized in the backward pass (only each layer's input is kept, not its activations)."""
         idx = jnp.arange(self.cfg.n_layers)
         stacked = self.layers.stacked()
         if dense is not None:
@@ -249,6 +250,8 @@ class Llama(nnx.Module):
             h, cache, y = self._layer(h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache, dense)
             return (h, cache), y
 
+        if remat:
+            body = jax.checkpoint(body, prevent_cse=False)
         (h, cache), ys = jax.lax.scan(body, (h, cache), xs)
         return (h, cache, ys) if with_ys else (h, cache)
 
@@ -265,13 +268,13 @@ class Llama(nnx.Module):
         return AdapterContext.build(token_slots, bank.n_slots, self.adapter_backend, mode, row_slots)
 
     def forward_chunk(self, tokens, bank: AdapterBank | None = None, ctx: AdapterContext | None = None,
-                      cache: KVCache | None = None, slot_ids=None):
+                      cache: KVCache | None = None, slot_ids=None, remat: bool = False):
         """tokens: int [B, T] at positions 0..T-1 (right-padded). Returns (hidden [B, T, d], cache).
 
         `ctx` (from `adapter_context`, B * T tokens) is required with a bank. Attention is causal
         within the chunk. If `cache` is given, sequence b's K/V are written to cache slot
         `slot_ids[b]` at positions 0..T-1 (padding positions too: they are never attended before
-        decode overwrites them).
+        decode overwrites them). remat: rematerialize each layer in the backward pass (training).
         """
         B, T = tokens.shape
         self._check_context(bank, ctx, B * T)
@@ -286,7 +289,7 @@ class Llama(nnx.Module):
             return self._attention(q, k, v, causal), c
 
         h = self._constrain(self.embed[...][tokens].astype(self.dtype), H_AXES)
-        h, cache = self._scan_layers(h, bank, ctx, positions, attend, cache)
+        h, cache = self._scan_layers(h, bank, ctx, positions, attend, cache, remat=remat)
         return h, self._constrain_cache(cache)
 
     def decode(self, tokens, positions, cache: KVCache, bank: AdapterBank | None = None,

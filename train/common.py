@@ -37,7 +37,8 @@ def _target_logprobs(model, h, targets, temperature):
 
 
 def token_logprobs(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None,
-                   temperature: float = 1.0, chunk: int | None = 64, start: int = 0, adapter_starts=None):
+                   temperature: float = 1.0, chunk: int | None = 64, start: int = 0, adapter_starts=None,
+                   remat: bool = False):
     """[B, T] float32: entry t = log p(tokens[:, t] | tokens[:, :t]) (entry 0 = 0).
 
     `chunk`: sequence positions per vocab-projection chunk (None: all at once). Each chunk is
@@ -45,11 +46,13 @@ def token_logprobs(graphdef, state, tokens, prompt_lengths, bank=None, adapter_i
     `start` (static): the vocab projection runs only for entries t > start; entries 1..start are 0.
     Callers that score responses only pass start <= min(prompt_lengths) - 1 (every skipped entry is
     a prompt token), which skips most of the vocab work for short responses after long prompts.
-    `adapter_starts` int32 [B]: activated (aLoRA) rows' activation starts (`policy.activation_starts`)."""
+    `adapter_starts` int32 [B]: activated (aLoRA) rows' activation starts (`policy.activation_starts`).
+    `remat`: the decoder layers are rematerialized in the backward pass (`sequence_hidden`)."""
     T = tokens.shape[1]
     if not 0 <= start < T - 1:
         raise ValueError(f"start must be in [0, {T - 1}), got {start}")
-    h = sequence_hidden(graphdef, state, tokens, prompt_lengths, bank, adapter_ids, adapter_starts)[:, start:-1]
+    h = sequence_hidden(graphdef, state, tokens, prompt_lengths, bank, adapter_ids, adapter_starts,
+                        remat)[:, start:-1]
     targets = tokens[:, start + 1:]
     model = nnx.merge(graphdef, state)
     B, T1, d = h.shape
@@ -67,12 +70,12 @@ def token_logprobs(graphdef, state, tokens, prompt_lengths, bank=None, adapter_i
 
 def adapted_logprobs(model_cfg: ModelConfig, adapter_config, graphdef, state, params, tokens, prompt_lengths,
                      adapter_id: int = 1, temperature: float = 1.0, chunk: int | None = 64, start: int = 0,
-                     adapter_starts=None):
+                     adapter_starts=None, remat: bool = False):
     """token_logprobs with the trainable adapter's 2-slot bank; adapter_id 1 = adapted, 0 = base."""
     bank = adapter_bank(model_cfg, adapter_config, params)
     ids = jnp.full((tokens.shape[0],), adapter_id, jnp.int32)
     return token_logprobs(graphdef, state, tokens, prompt_lengths, bank, ids, temperature, chunk, start,
-                          adapter_starts)
+                          adapter_starts, remat)
 
 
 # ------------------------------------------------------------------------------------ the state
@@ -89,15 +92,33 @@ def init_train_state(model_cfg: ModelConfig, adapter_config, tx, key, dtype=jnp.
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
 
+def is_abstract(tree) -> bool:
+    """Whether every array of `tree` is a `jax.ShapeDtypeStruct` (shapes only: nothing allocated)."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def place(tree, shardings):
+    """`tree` placed by `shardings`: arrays are device_put; an abstract tree (ShapeDtypeStructs, see
+    `is_abstract`) gets the shardings attached instead, for lowering and compiling without allocating
+    (benchmarks.memory_plan)."""
+    if is_abstract(tree):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+    return jax.device_put(tree, shardings)
+
+
 class ShardedSetup:
-    """A mesh, the base model state on it, and the shardings of TrainState / batches."""
+    """A mesh, the base model state on it, and the shardings of TrainState / batches.
+
+    `base_state` may be abstract (ShapeDtypeStructs of a model from `nnx.eval_shape`): the jitted
+    steps then lower and compile from shapes alone (`Trainer.step_function(batch).lower(...)`)."""
 
     def __init__(self, model_cfg: ModelConfig, graphdef, base_state, adapter_config, tx,
                  mesh: jax.sharding.Mesh | None = None):
         self.model_cfg, self.graphdef, self.adapter_config, self.tx = model_cfg, graphdef, adapter_config, tx
         self.mesh = shd.make_mesh() if mesh is None else mesh
         self.base_shardings = shd.model_state_shardings(base_state, self.mesh, model_cfg)
-        self.base_state = jax.device_put(base_state, self.base_shardings)
+        self.base_state = place(base_state, self.base_shardings)
         abstract = jax.eval_shape(lambda k: init_train_state(model_cfg, adapter_config, tx, k), jax.random.key(0))
         p_sh = shd.adapter_shardings(abstract.params, self.mesh, model_cfg)
         o_sh = shd.optimizer_shardings(tx, abstract.opt_state, p_sh, self.mesh)

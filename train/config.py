@@ -228,6 +228,7 @@ class TrainerConfig(JsonConfig):
     eval_every: int = 0                   # 0: evaluate only at the end (when there is an eval set)
     logit_chunk: int | None = 64          # sequence positions per vocab-projection chunk
     pad_multiple: int = 16
+    remat: bool = True                    # recompute each layer in the backward pass (activations: O(1 layer))
 
     def __post_init__(self):
         for name, tp in (("adapter", AdapterSpec), ("optimizer", OptimizerConfig), ("mesh", MeshConfig),

@@ -196,7 +196,7 @@ class GRPOTrainer(Trainer):
     def _logprobs(self, params, base_state, batch, adapter_id):
         return adapted_logprobs(self.model_cfg, self.adapter_config, self.graphdef, base_state, params,
                                 batch["tokens"], batch["prompt_lengths"], adapter_id, self.config.temperature,
-                                self.config.logit_chunk, self.logit_start)
+                                self.config.logit_chunk, self.logit_start, remat=self.config.remat)
 
     def _score_fn(self, params, base_state, batch):
         """(old policy log-probs, reference = base model log-probs), both [B, T]."""
@@ -212,15 +212,21 @@ class GRPOTrainer(Trainer):
         return grpo_objective(logp, old, batch["ref_logp"], batch["advantages"], batch["loss_mask"],
                               c.clip_eps, c.kl_coef)
 
-    def _score_device(self, params, dev: dict, with_old: bool = True):
+    def score_function(self, batch: dict, with_old: bool = True) -> Callable:
+        """The jitted, sharded scoring `(params, base_state, batch) -> (old, ref)` log-probs [B, T] (with_old)
+        or `-> (ref,)`, for batches shaped like `batch` (device arrays or ShapeDtypeStructs); built once
+        per batch shape. `prepare` calls it; benchmarks.memory_plan compiles it from abstract shapes."""
         fn = self._score_fn if with_old else self._ref_fn
         n_out = 2 if with_old else 1
 
         def build():
-            out = jax.sharding.NamedSharding(self.mesh, shd.batch_spec(dev["tokens"].shape, self.mesh))
+            out = jax.sharding.NamedSharding(self.mesh, shd.batch_spec(batch["tokens"].shape, self.mesh))
             return jax.jit(fn, in_shardings=(self.setup.state_shardings.params, self.setup.base_shardings,
-                                             self.setup.batch_shardings(dev)), out_shardings=(out,) * n_out)
-        return self.compiled("score" if with_old else "ref", dev, build)(params, self.base_state, dev)
+                                             self.setup.batch_shardings(batch)), out_shardings=(out,) * n_out)
+        return self.compiled("score" if with_old else "ref", batch, build)
+
+    def _score_device(self, params, dev: dict, with_old: bool = True):
+        return self.score_function(dev, with_old)(params, self.base_state, dev)
 
     def score(self, params, batch: dict):
         """(old, ref) log-probs of a host batch (global arrays)."""

@@ -72,10 +72,11 @@ def batch_arrays(batch: Batch | dict, policy: PositionPolicy | None = None) -> d
     return out
 
 
-def sft_loss_terms(model_cfg, adapter_config, graphdef, base_state, params, batch, chunk=64):
-    """(sum of response-token NLL, number of response tokens)."""
+def sft_loss_terms(model_cfg, adapter_config, graphdef, base_state, params, batch, chunk=64, remat=False):
+    """(sum of response-token NLL, number of response tokens). remat: see `train.common.token_logprobs`."""
     lp = adapted_logprobs(model_cfg, adapter_config, graphdef, base_state, params, batch["tokens"],
-                          batch["prompt_lengths"], 1, 1.0, chunk, adapter_starts=batch.get("adapter_starts"))
+                          batch["prompt_lengths"], 1, 1.0, chunk, adapter_starts=batch.get("adapter_starts"),
+                          remat=remat)
     mask = batch["loss_mask"].astype(jnp.float32)
     return -(lp * mask).sum(), mask.sum()
 
@@ -103,7 +104,7 @@ class SFTTrainer(Trainer):
     # ---- the loss
     def loss(self, params, base_state, batch):
         nll, n = sft_loss_terms(self.model_cfg, self.adapter_config, self.graphdef, base_state, params, batch,
-                                self.config.logit_chunk)
+                                self.config.logit_chunk, self.config.remat)
         return nll / jnp.maximum(n, 1.0), {"tokens": n}
 
     def step(self, ts: TrainState, batch: Batch | dict, global_batch_size: int | None = None):

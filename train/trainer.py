@@ -142,11 +142,17 @@ class Trainer:
     def put_batch(self, batch: dict, global_batch_size: int | None = None) -> dict:
         return self.setup.put_batch(batch, global_batch_size)
 
+    def step_function(self, batch: dict) -> Callable:
+        """The jitted, sharded optimizer step `(TrainState, base_state, batch) -> (TrainState, metrics)`
+        for batches shaped like `batch` (device arrays or ShapeDtypeStructs), the input state donated;
+        built once per batch shape. `step` calls it; benchmarks.memory_plan lowers and compiles it from
+        abstract shapes."""
+        return self.compiled("step", batch, lambda: self.setup.jit_step(self._step_fn, batch))
+
     def step(self, ts: TrainState, batch: dict, global_batch_size: int | None = None) -> tuple[TrainState, dict]:
         """One optimizer step on a host batch (the input state is donated)."""
         dev = batch if _on_device(batch) else self.put_batch(batch, global_batch_size)
-        fn = self.compiled("step", dev, lambda: self.setup.jit_step(self._step_fn, dev))
-        return fn(ts, self.base_state, dev)
+        return self.step_function(dev)(ts, self.base_state, dev)
 
     def update(self, ts: TrainState, batch: dict, global_batch_size: int | None = None) -> tuple[TrainState, dict]:
         """`prepare`, then `inner_steps` optimizer steps on one batch."""
