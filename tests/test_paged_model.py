@@ -81,13 +81,29 @@ def _run(runner, bank, seqs, rng, chunk_sizes):
 
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_paged_chunks_match_full_recompute(mode):
+    _check_against_full_recompute(mode, chunk_sizes=(1, 1, 3, 8))
+
+
+def test_blocked_chunk_attention_matches_full_recompute(monkeypatch):
+    """Chunks longer than paged_kv.Q_BLOCK attend Q_BLOCK queries at a time (bounded score temporaries):
+    the logits stay the full recompute's."""
+    from preft_jax import paged_kv
+    monkeypatch.setattr(paged_kv, "Q_BLOCK", 2)
+    jax.clear_caches()                      # Q_BLOCK is read when the step is traced
+    try:
+        _check_against_full_recompute("prefill", chunk_sizes=(4, 8, 3))
+    finally:
+        jax.clear_caches()
+
+
+def _check_against_full_recompute(mode, chunk_sizes):
     rng = np.random.default_rng(0)
     runner = ModelRunner(Llama.from_params(CFG, random_params(CFG, seed=0)))
     bank = _bank(mode)
     free = list(rng.permutation(np.arange(1, NB)))
     seqs = [Seq(rng.integers(0, CFG.vocab_size, n).tolist(), plen, slot, rng, free)
             for n, plen, slot in ((23, 9, 1), (17, 17, 2), (30, 5, 0), (11, 6, 2))]
-    got = _run(runner, bank, seqs, rng, chunk_sizes=(1, 1, 3, 8))
+    got = _run(runner, bank, seqs, rng, chunk_sizes=chunk_sizes)
     for i, s in enumerate(seqs):
         toks = jnp.asarray([s.tokens])
         want = np.asarray(sequence_logits(runner.graphdef, runner.state, toks, jnp.asarray([s.plen]), bank,

@@ -150,7 +150,7 @@ def test_sharded_engine_placements(tiny):
             assert s["cache_k"] == str(P(None, 'tensor'))            # [L, KV, blocks, bs, hd], after steps
             assert s["lora_B_q"] == s["lora_B_up"] == str(P(None, None, None, 'tensor'))
             assert s["lora_A_o"] == str(P(None, None, 'tensor'))
-            assert s["reft_R"] == str(P())
+            assert s["reft_R"] == str(P(None, None, 'tensor'))         # [L, N, rank, embed]: the rank splits
     assert "not divisible" not in tiny["logs"]
 
 
@@ -166,7 +166,8 @@ def test_smollm2_tensor2_replicates_indivisible_heads(smollm):
     assert r["tensor2"] == r["base"], r
     s = r["specs"]
     assert r["declared"]
-    assert s["wq"] == s["wk"] == s["lora_B_q"] == str(P())           # 9 q / 3 kv heads: replicated
+    assert s["wq"] == s["wk"] == str(P())                             # 9 q / 3 kv heads: replicated
+    assert s["lora_B_q"] == str(P(None, None, 'tensor'))              # its rank takes the axis the heads leave
     assert s["cache_k"] == str(P())
     assert s["w_up"] == str(P(None, None, 'tensor'))                  # ffn 1536 split
     assert s["w_down"] == str(P(None, 'tensor'))

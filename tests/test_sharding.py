@@ -52,13 +52,15 @@ def test_rules_table():
     key = jax.random.key(0)
     lora = jax.eval_shape(lambda: init_adapter(cfg, LoraConfig(rank=4, alpha=8.0, targets=("q", "o", "down")), key))
     s = _specs(lora, m, cfg)
-    assert s["A/q"] == P(None, "fsdp") and s["B/q"] == P(None, None, "tensor")
-    assert s["A/down"] == P(None, "tensor") and s["B/o"] == P(None, None, "fsdp")
+    # the rank takes the mesh axes the projection's dimension leaves: every adapter array is split
+    # over tensor x fsdp (A [embed, rank] -> (fsdp, tensor), B [rank, q_heads] -> (fsdp, tensor), ...)
+    assert s["A/q"] == P(None, "fsdp", "tensor") and s["B/q"] == P(None, "fsdp", "tensor")
+    assert s["A/down"] == P(None, "tensor", "fsdp") and s["B/o"] == P(None, "tensor", "fsdp")
     s = _specs(jax.eval_shape(lambda: init_adapter(cfg, ReftConfig(rank=4, layers=(0, 2)), key)), m, cfg)
-    assert s["R"] == P(None, None, "fsdp") and s["b"] == P()
+    assert s["R"] == P(None, "tensor", "fsdp") and s["b"] == P(None, ("tensor", "fsdp"))
     s = _specs(jax.eval_shape(lambda: empty_bank(cfg, 3, ("v", "o"), 4, 2)), m, cfg)
-    assert s["lora_A/v"] == P(None, None, "fsdp") and s["lora_B/v"] == P(None, None, None, "tensor")
-    assert s["lora_A/o"] == P(None, None, "tensor") and s["reft_R"] == P(None, None, None, "fsdp")
+    assert s["lora_A/v"] == P(None, None, "fsdp", "tensor") and s["lora_B/v"] == P(None, None, "fsdp", "tensor")
+    assert s["lora_A/o"] == P(None, None, "tensor", "fsdp") and s["reft_R"] == P(None, None, "tensor", "fsdp")
     assert s["policy/kind"] == P() and s["reft_subtract"] == P()
     s = _specs(jax.eval_shape(lambda: KVCache.create(cfg, 8, 32)), m, cfg)
     assert s["k"] == P(None, ("data", "fsdp"), None, "tensor")
@@ -224,8 +226,8 @@ def test_sharded_placements(eight_device_result):
     r = eight_device_result
     assert r["wq_spec"] == str(P(None, "fsdp", "tensor"))
     assert r["embed_spec"] == str(P("tensor", "fsdp"))
-    assert r["A_q_spec"] == str(P(None, "fsdp"))
-    assert r["B_q_spec"] == str(P(None, None, "tensor"))
+    assert r["A_q_spec"] == str(P(None, "fsdp", "tensor"))     # the rank takes the axis embed leaves
+    assert r["B_q_spec"] == str(P(None, "fsdp", "tensor"))
     assert r["mu_A_q_spec"] == r["A_q_spec"]         # Adam moments follow their params
     assert r["batch_spec"] == str(P(("data", "fsdp")))
     assert r["n_devices"] == 8
