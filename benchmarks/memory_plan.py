@@ -116,6 +116,7 @@ class Program:
     temp: int
     resident: int = 0                     # resident bytes that are not arguments of this program
     compile_s: float = 0.0
+    gathered: int = 0                     # the largest array an all-gather makes (FSDP: one layer's weight)
     compiled: object = dataclasses.field(default=None, repr=False)   # the executable and its abstract
     args: tuple = dataclasses.field(default=(), repr=False)          # (non-static) arguments: `measure`
 
@@ -209,7 +210,21 @@ def _compile(name, fn, args, kwargs, spec: PlanSpec, mesh, resident: int = 0) ->
     m = compiled.memory_analysis()
     dynamic = tuple(a for a in args if not isinstance(a, nnx.GraphDef))       # static: the model's graphdef
     return Program(name, int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
-                   int(m.temp_size_in_bytes), resident, time.perf_counter() - t0, compiled, dynamic)
+                   int(m.temp_size_in_bytes), resident, time.perf_counter() - t0,
+                   max(all_gathers(compiled.as_text()), default=0), compiled, dynamic)
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+             "f64": 8, "s64": 8, "u64": 8}
+
+
+def all_gathers(hlo_text: str) -> list[int]:
+    """Bytes of every array an all-gather produces in an optimized HLO module's text (per device)."""
+    out = []
+    for m in re.finditer(r"= \(?([^=]*?)\)? all-gather(?:-start)?\(", hlo_text):
+        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            out.append(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE.get(dt, 4))
+    return out
 
 
 def _rss() -> tuple[int, int]:
@@ -242,7 +257,7 @@ def measure(program: Program) -> int:
 
 
 # ------------------------------------------------------------------------------------------- serve
-def serve_plan(spec: PlanSpec, mesh) -> Plan:
+def serve_plan(spec: PlanSpec, mesh, cfg) -> Plan:
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -250,12 +265,10 @@ def serve_plan(spec: PlanSpec, mesh) -> Plan:
     from preft_jax.adapters.bank import empty_bank
     from preft_jax.adapters.config import LORA_TARGETS
     from flax import nnx
-    from preft_jax.config import model_preset
     from preft_jax.paged_kv import PagedBatch, PagedKVCache
     from preft_jax.paged_step import sharded_paged_step
     from serve.engine import EngineConfig
 
-    cfg = model_preset(spec.model)
     dt = compile_dtype(spec)
     ec = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
                       max_num_batched_tokens=spec.max_num_batched_tokens, max_prefill_seqs=spec.max_prefill_seqs,
@@ -320,12 +333,10 @@ def train_parts(trainer) -> dict:
             "optimizer_state": shard_bytes(st.opt_state)}
 
 
-def sft_plan(spec: PlanSpec, mesh) -> Plan:
+def sft_plan(spec: PlanSpec, mesh, cfg) -> Plan:
     import jax.numpy as jnp
     from flax import nnx
-    from preft_jax.config import model_preset
     from train.sft import SFTTrainer
-    cfg = model_preset(spec.model)
     graphdef, state = nnx.split(abstract_model(cfg, spec))
     trainer = SFTTrainer(cfg, graphdef, state, _trainer_config(spec, "sft"), mesh)
     B, T = spec.batch, spec.seq
@@ -337,18 +348,16 @@ def sft_plan(spec: PlanSpec, mesh) -> Plan:
     return Plan(spec, parts, [prog])
 
 
-def grpo_plan(spec: PlanSpec, mesh) -> Plan:
+def grpo_plan(spec: PlanSpec, mesh, cfg) -> Plan:
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     from preft_jax import sharding as shd
     from preft_jax.adapters.trainable import adapter_bank
-    from preft_jax.config import model_preset
     from preft_jax.generation import ModelRunner, bucket_length, decode_step, prefill_step
     from preft_jax.kv_cache import KVCache
     from train.grpo import GRPOTrainer
 
-    cfg = model_preset(spec.model)
     dt = compile_dtype(spec)
     trainer = GRPOTrainer(cfg, ModelRunner(abstract_model(cfg, spec)), _trainer_config(spec, "grpo"), lambda c, a: 0.0, mesh=mesh)
     graphdef, state = trainer.graphdef, trainer.base_state
@@ -394,12 +403,14 @@ def grpo_plan(spec: PlanSpec, mesh) -> Plan:
 PLANNERS = {"serve": serve_plan, "sft": sft_plan, "grpo": grpo_plan}
 
 
-def plan(spec: PlanSpec, mesh=None) -> Plan:
-    """Compiles the task's programs for `spec.mesh` (over the first devices) and returns their bytes."""
+def plan(spec: PlanSpec, mesh=None, cfg=None) -> Plan:
+    """Compiles the task's programs for `spec.mesh` (over the first devices) and returns their bytes.
+    `cfg`: a ModelConfig instead of the `spec.model` preset (tests plan small models)."""
     from preft_jax import sharding as shd
+    from preft_jax.config import model_preset
     if mesh is None:
         mesh = shd.make_mesh(*spec.mesh)
-    return PLANNERS[spec.task](spec, mesh)
+    return PLANNERS[spec.task](spec, mesh, model_preset(spec.model) if cfg is None else cfg)
 
 
 def set_fake_devices(n: int) -> None:
@@ -433,12 +444,13 @@ def describe(spec: PlanSpec) -> str:
 def report(p: Plan, device_memory: int | None) -> str:
     s = p.spec
     lines = [f"{s.model} {s.task} on {s.mesh_text()} ({s.dtype}, adapter backend {s.backend}): {describe(s)}",
-             "  per device, GiB: " + "  ".join(f"{k} {gib(v)}" for k, v in p.parts.items()),
+             "  per device, GiB: " + "  ".join(f"{k} {gib(v)}" for k, v in p.parts.items())
+             + "  (peak = argument + output - alias + temp + resident; gathered: largest all-gather)",
              f"  {'program':<36} {'argument':>9} {'output':>8} {'alias':>8} {'temp':>8} {'resident':>9} "
-             f"{'peak':>8} {'compile':>8}"]
+             f"{'peak':>8} {'gathered':>9} {'compile':>8}"]
     for q in p.programs:
         lines.append(f"  {q.name:<36} {gib(q.argument):>9} {gib(q.output):>8} {gib(q.alias):>8} {gib(q.temp):>8} "
-                     f"{gib(q.resident):>9} {gib(q.peak):>8} {q.compile_s:>7.1f}s")
+                     f"{gib(q.resident):>9} {gib(q.peak):>8} {gib(q.gathered):>9} {q.compile_s:>7.1f}s")
     verdict = ""
     if device_memory is not None:
         verdict = (f": fits {gib(device_memory)} GiB (headroom {gib(device_memory - p.peak)})" if p.fits(device_memory)

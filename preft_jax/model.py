@@ -126,7 +126,8 @@ class Llama(nnx.Module):
     # ---- weights -------------------------------------------------------------------------------
     @classmethod
     def from_params(cls, cfg: ModelConfig, params: dict, dtype=jnp.float32, adapter_backend: str = "auto"):
-        """Builds the model from canonical params (see preft_jax.loading) without random init work."""
+        """Builds the model from canonical params (see preft_jax.loading) without random init work.
+        jax.Arrays in `dtype` are kept as they are placed (`preft_jax.loading.load_model_sharded`)."""
         dtype, adapter_backend = model_dtype(dtype), resolve_backend(adapter_backend)
         model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, adapter_backend=adapter_backend))
         expected = {"embed", "final_norm", *layer_param_names(cfg)} | (set() if cfg.tie_embeddings else {"lm_head"})
@@ -136,10 +137,11 @@ class Llama(nnx.Module):
 
         def put(holder, name, value):
             ref = getattr(holder, name)
-            value = np.asarray(value)
+            placed = isinstance(value, jax.Array)       # e.g. streamed into its sharding: no host round trip
+            value = value if placed else np.asarray(value)
             if tuple(value.shape) != tuple(ref.shape):
                 raise ValueError(f"parameter {name}: expected shape {tuple(ref.shape)}, got {value.shape}")
-            ref.set_value(jnp.asarray(value, dtype))
+            ref.set_value(value if placed and value.dtype == dtype else jnp.asarray(value, dtype))
 
         for name in layer_param_names(cfg):
             put(model.layers, name, params[name])

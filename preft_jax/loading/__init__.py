@@ -9,8 +9,8 @@ from preft_jax.loading.default_model import default_model_path, resolve_model_pa
 from preft_jax.loading.weight_names import (CANONICAL_NAMES, MissingWeightError, WeightNameError,
                                             canonical_shapes)
 
-__all__ = ["load_model", "load_gguf", "load_hf_folder", "default_model_path", "resolve_model_path",
-           "canonical_shapes", "CANONICAL_NAMES", "MissingWeightError", "WeightNameError"]
+__all__ = ["load_model", "load_model_sharded", "load_gguf", "load_hf_folder", "default_model_path",
+           "resolve_model_path", "canonical_shapes", "CANONICAL_NAMES", "MissingWeightError", "WeightNameError"]
 
 
 def load_gguf(path=None, dtype=np.float32, progress=None):
@@ -48,3 +48,11 @@ def load_model(path: str | os.PathLike | None = None, dtype=np.float32, *, cache
         from preft_jax.loading.cached import load_gguf_cached
         return load_gguf_cached(p, dtype=dtype, progress=progress)
     return load_gguf(p, dtype=dtype, progress=progress)
+
+
+def load_model_sharded(path=None, mesh=None, dtype="float32", *, cache=None, progress=None):
+    from preft_jax.loading.placement import load_model_sharded as _load
+    return _load(path, mesh, dtype, cache=cache, progress=progress)
+
+
+load_model_sharded.__doc__ = "See preft_jax.loading.placement.load_model_sharded."

@@ -2,7 +2,18 @@
 
 The folder holds `config.json`, `model.safetensors` (or shards listed in `model.safetensors.index.json`),
 and `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`). Safetensors files are read
-with a small memory-mapped parser (numpy has no bfloat16, so BF16 is widened to float32 bitwise).
+with a small parser (numpy has no bfloat16, so BF16 is widened to float32 bitwise, or kept as is for
+a bfloat16 target) that reads only the bytes a requested slice covers.
+
+`HFCheckpoint` opens a folder: config, tokenizer, and where every canonical parameter's tensors are,
+checked (unknown, missing, mis-shaped tensors) before any weight is read. Two ways to read it:
+
+* `load_hf_folder`: every canonical parameter as one host numpy array (the whole model in host memory).
+* `load_hf_sharded`: every parameter straight into its mesh sharding, device shard by device shard:
+  each addressable device's slice of the stacked [n_layers, ...] array is read layer by layer from
+  the shards' files (only the rows / columns that slice covers) and put on its device, so host memory
+  holds one device shard at a time, never the model, and each process of a multi-host run reads
+  only what its own devices hold.
 """
 from __future__ import annotations
 
@@ -16,7 +27,7 @@ import numpy as np
 
 from preft_jax.config import ModelConfig, RopeScaling
 from preft_jax.loading.progress import progress_bar
-from preft_jax.loading.weight_names import HF_IGNORED, HF_RULES, ParamAssembler
+from preft_jax.loading.weight_names import HF_IGNORED, HF_RULES, LAYERED, ParamAssembler
 from preft_jax.tokenizer import Tokenizer
 
 # model_type -> (HF architecture class, q/k/v projections have biases)
@@ -58,11 +69,19 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.header)
 
-    def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        dt = info["dtype"]
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def _dtype(self, name: str) -> str:
+        dt = self.header[name]["dtype"]
         if dt not in _ST_DTYPES:
             raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dt}")
+        return dt
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tensor, memory-mapped (BF16 widened to float32)."""
+        info = self.header[name]
+        dt = self._dtype(name)
         if self._mm is None:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         begin, end = info["data_offsets"]
@@ -71,6 +90,38 @@ class SafetensorsFile:
         if dt == "BF16":
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         return arr
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None, dtype=np.float32) -> np.ndarray:
+        """A copy of tensor[index] (basic slices, step 1) in `dtype`, reading only the rows the slice
+        covers through a mapping that is closed before returning (the process keeps no file pages).
+        BF16 is widened to float32 bitwise, or kept as is when `dtype` is bfloat16."""
+        info = self.header[name]
+        dt, shape = self._dtype(name), tuple(info["shape"])
+        index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+        target = np.dtype(dtype)
+        if not shape or any(b <= a for a, b in bounds):
+            return np.zeros([max(0, b - a) for a, b in bounds], target)
+        r0, r1 = bounds[0]
+        item = np.dtype(_ST_DTYPES[dt]).itemsize
+        row = item * int(np.prod(shape[1:], dtype=np.int64))
+        mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_start + info["data_offsets"][0] + r0 * row,
+                       shape=((r1 - r0) * row,))
+        try:
+            raw = mm.view(_ST_DTYPES[dt]).reshape((r1 - r0,) + shape[1:])[(slice(None),)
+                                                                           + tuple(slice(a, b) for a, b in bounds[1:])]
+            if dt == "BF16":
+                if target == _bfloat16():
+                    return raw.view(target).copy()
+                raw = (raw.astype(np.uint32) << 16).view(np.float32)
+            return raw.astype(target, copy=True)
+        finally:
+            del mm
+
+
+def _bfloat16() -> np.dtype:
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -192,29 +243,98 @@ def _check_sliding_window(hf: dict[str, Any], model_type: str) -> None:
     raise ValueError(f"Sliding-window attention (sliding_window={window}) is not supported")
 
 
+class HFCheckpoint:
+    """An HF model folder, opened: `cfg`, `tokenizer`, and the tensor behind every canonical parameter
+    (and layer), checked against the config before any weight is read (unknown names, q/k/v biases the
+    architecture does not have, shapes, layer indices, completeness)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        folder = pathlib.Path(folder).expanduser()
+        if not folder.exists():
+            raise FileNotFoundError(f"Model folder does not exist: {folder}")
+        if not folder.is_dir():
+            raise ValueError(f"{folder} is not a folder (GGUF files go to load_gguf)")
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"No config.json in {folder}")
+        with open(cfg_path, encoding="utf-8") as f:
+            hf = json.load(f)
+        check_architecture(hf)
+        self.folder = folder
+        tensors = list(iter_safetensors(folder))
+        self.tokenizer = Tokenizer.from_hf_folder(folder)
+        self.cfg = config_from_hf(hf, self.tokenizer, has_lm_head=any(n == "lm_head.weight" for n, _ in tensors))
+        asm = ParamAssembler(self.cfg, HF_RULES, HF_IGNORED, source=str(folder), allocate=False)
+        self.shapes = asm.shapes
+        self._sources: dict[str, dict] = {k: {} for k in self.shapes}     # canonical -> {layer: (file, name, T)}
+        for name, st in tensors:
+            hit = asm.locate(name, st.shape(name))
+            if hit is not None:
+                rule, layer = hit
+                if rule.transform not in ("identity", "transpose"):
+                    raise ValueError(f"{folder}: {name}: transform {rule.transform!r} cannot be read by slices")
+                self._sources[rule.canonical][layer] = (st, name, rule.transform == "transpose")
+        asm.check_complete()
+
+    def read(self, canonical: str, index: tuple[slice, ...] | None = None, dtype=np.float32) -> np.ndarray:
+        """canonical parameter[index] (basic slices) in `dtype`, assembled layer by layer from only the
+        bytes it covers (a transposed weight's slice is read as the matching [out, in] region)."""
+        shape = self.shapes[canonical]
+        index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+        out = np.empty([b - a for a, b in bounds], np.dtype(dtype))
+        if canonical in LAYERED:
+            (l0, l1), inner = bounds[0], [slice(a, b) for a, b in bounds[1:]]
+            for i, layer in enumerate(range(l0, l1)):
+                out[i] = self._read_one(canonical, layer, inner, dtype)
+        else:
+            out[...] = self._read_one(canonical, None, [slice(a, b) for a, b in bounds], dtype)
+        return out
+
+    def _read_one(self, canonical, layer, index, dtype):
+        st, name, transposed = self._sources[canonical][layer]
+        if transposed:
+            return st.read(name, tuple(index[::-1]), dtype).T
+        return st.read(name, tuple(index), dtype)
+
+
 def load_hf_folder(folder: str | os.PathLike, dtype=np.float32, progress: bool | None = None
                    ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
-    """(config, canonical params, tokenizer) from an HF model folder (progress: a tqdm bar over the
-    tensors; None = only when stderr is a terminal)."""
-    folder = pathlib.Path(folder).expanduser()
-    if not folder.exists():
-        raise FileNotFoundError(f"Model folder does not exist: {folder}")
-    if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder (GGUF files go to load_gguf)")
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"No config.json in {folder}")
-    with open(cfg_path, encoding="utf-8") as f:
-        hf = json.load(f)
-    check_architecture(hf)
+    """(config, canonical params as host numpy arrays, tokenizer) from an HF model folder (progress: a
+    tqdm bar over the parameters; None = only when stderr is a terminal)."""
+    ckpt = HFCheckpoint(folder)
+    params = {name: ckpt.read(name, dtype=dtype)
+              for name in progress_bar(list(ckpt.shapes), progress, desc=f"loading {ckpt.folder.name}", unit="param")}
+    return ckpt.cfg, params, ckpt.tokenizer
 
-    tensors = list(iter_safetensors(folder))
-    names = {n for n, _ in tensors}
-    tokenizer = Tokenizer.from_hf_folder(folder)
-    cfg = config_from_hf(hf, tokenizer, has_lm_head="lm_head.weight" in names)
 
-    asm = ParamAssembler(cfg, HF_RULES, HF_IGNORED, dtype=dtype, source=str(folder))
-    for name, st in progress_bar(tensors, progress, desc=f"loading {folder.name}", unit="tensor"):
-        if asm.wants(name):
-            asm.add(name, st.get(name))
-    return cfg, asm.finish(), tokenizer
+def load_hf_sharded(folder: str | os.PathLike, shardings, dtype=np.float32, progress: bool | None = None):
+    """(config, canonical params as jax.Arrays in their shardings, tokenizer), streamed: see the module
+    docstring. `shardings(cfg) -> {canonical name: jax.sharding.Sharding}` (e.g.
+    `preft_jax.loading.placement.param_shardings`); host memory peaks at about one device shard of
+    the largest parameter."""
+    import jax
+    ckpt = HFCheckpoint(folder)
+    placement = shardings(ckpt.cfg)
+    params = {}
+    for name in progress_bar(list(ckpt.shapes), progress, desc=f"loading {ckpt.folder.name}", unit="param"):
+        params[name] = _stream(ckpt, name, placement[name], dtype, jax)
+    return ckpt.cfg, params, ckpt.tokenizer
+
+
+def _stream(ckpt: HFCheckpoint, name: str, sharding, dtype, jax):
+    """One parameter as a global jax.Array: each distinct slice this process's devices hold is read
+    once, put on those devices and dropped before the next is read."""
+    shape = ckpt.shapes[name]
+    groups: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+        groups.setdefault(key, []).append(device)
+    shards = {}
+    for key, devices in groups.items():
+        host = ckpt.read(name, tuple(slice(a, b) for a, b in key), dtype)
+        for d in devices:
+            shards[d] = jax.device_put(host, d)
+        del host
+    arrays = [shards[d] for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -188,18 +188,28 @@ def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def transformed_shape(transform: str, shape) -> tuple[int, ...]:
+    """The shape a TRANSFORMS entry gives a source tensor of `shape` (no data read)."""
+    shape = tuple(shape)
+    return shape[::-1] if transform.endswith("transpose") else shape
+
+
 class ParamAssembler:
-    """Collects source tensors into preallocated, stacked canonical arrays and checks completeness."""
+    """Collects source tensors into preallocated, stacked canonical arrays and checks completeness.
+
+    `allocate=False`: no arrays; `locate` alone checks a checkpoint's names and shapes and records
+    which tensor fills what (the streaming loader reads the data itself, slice by slice)."""
 
     def __init__(self, cfg: ModelConfig, rules: tuple[WeightRule, ...],
-                 ignored: tuple[re.Pattern, ...] = (), dtype=np.float32, source: str = "checkpoint"):
+                 ignored: tuple[re.Pattern, ...] = (), dtype=np.float32, source: str = "checkpoint",
+                 allocate: bool = True):
         self.cfg = cfg
         self.rules = rules
         self.ignored = ignored
         self.dtype = np.dtype(dtype)
         self.source = source
         self.shapes = canonical_shapes(cfg)
-        self.params = {k: np.empty(s, dtype=self.dtype) for k, s in self.shapes.items()}
+        self.params = {k: np.empty(s, dtype=self.dtype) for k, s in self.shapes.items()} if allocate else {}
         self._filled: dict[str, set] = {k: set() for k in self.shapes}
         self._templates = {r.canonical: r.template for r in rules}
 
@@ -214,28 +224,42 @@ class ParamAssembler:
                                   f"config has no q/k/v biases (qkv_bias=False)")
         return hit is not None and hit[0].canonical in self.shapes
 
-    def add(self, name: str, array: np.ndarray) -> None:
+    def locate(self, name: str, shape) -> tuple[WeightRule, int | None] | None:
+        """(rule, layer index or None) of the canonical slice tensor `name` of `shape` fills, after the
+        name, shape and layer checks (errors name the tensor); None for an ignorable tensor. Marks the
+        slice filled for `check_complete`."""
         if not self.wants(name):                    # ignorable, or a tied model's stored lm_head copy
-            return
+            return None
         rule, layer = match_weight(name, self.rules, self.ignored)
-        value = TRANSFORMS[rule.transform](np.asarray(array), self.cfg)
+        got = transformed_shape(rule.transform, shape)
         full = self.shapes[rule.canonical]
         expected = full[1:] if rule.canonical in LAYERED else full
-        if tuple(value.shape) != tuple(expected):
+        if got != tuple(expected):
             raise ValueError(
-                f"{self.source}: tensor {name!r} has shape {tuple(np.shape(array))}, which gives "
-                f"{rule.canonical} slice {tuple(value.shape)}; expected {tuple(expected)} from the config")
+                f"{self.source}: tensor {name!r} has shape {tuple(shape)}, which gives "
+                f"{rule.canonical} slice {got}; expected {tuple(expected)} from the config")
         if rule.canonical in LAYERED:
             if layer is None or not 0 <= layer < self.cfg.n_layers:
                 raise ValueError(f"{self.source}: tensor {name!r} has layer index {layer}, "
                                  f"but the config has {self.cfg.n_layers} layers")
-            self.params[rule.canonical][layer] = value
-            self._filled[rule.canonical].add(layer)
         else:
-            self.params[rule.canonical][...] = value
-            self._filled[rule.canonical].add(None)
+            layer = None
+        self._filled[rule.canonical].add(layer)
+        return rule, layer
 
-    def finish(self) -> dict[str, np.ndarray]:
+    def add(self, name: str, array: np.ndarray) -> None:
+        hit = self.locate(name, np.shape(array))
+        if hit is None:
+            return
+        rule, layer = hit
+        value = TRANSFORMS[rule.transform](np.asarray(array), self.cfg)
+        if layer is None:
+            self.params[rule.canonical][...] = value
+        else:
+            self.params[rule.canonical][layer] = value
+
+    def check_complete(self) -> None:
+        """MissingWeightError naming every canonical slice no located tensor filled."""
         missing = []
         for k in self.shapes:
             tmpl = self._templates.get(k, k)
@@ -248,4 +272,7 @@ class ParamAssembler:
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise MissingWeightError(f"{self.source}: missing tensor(s): {shown}")
+
+    def finish(self) -> dict[str, np.ndarray]:
+        self.check_complete()
         return self.params
