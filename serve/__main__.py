@@ -59,8 +59,10 @@ def _parse_mesh(spec):
         raise CliError(f"--mesh: {e}") from None
 
 
-def _load_model(path, no_cache: bool = False, quiet: bool = False):
-    from preft_jax.loading import load_model
+def _load_model(path, no_cache: bool = False, quiet: bool = False, mesh=None, dtype: str = "float32"):
+    """(cfg, params, tokenizer): the weights placed in `dtype` on the mesh (one device without), an HF
+    folder streamed tensor by tensor (preft_jax.loading.load_model_sharded)."""
+    from preft_jax.loading import load_model_sharded
     if path == "tiny":
         from preft_jax.config import tiny_config
         from serve.byte_tokenizer import ByteTokenizer
@@ -68,7 +70,8 @@ def _load_model(path, no_cache: bool = False, quiet: bool = False):
         cfg = tiny_config(max_seq_len=1024)
         return cfg, tiny_params(cfg), ByteTokenizer()
     try:
-        return load_model(path, cache=False if no_cache else None, progress=False if quiet else None)
+        return load_model_sharded(path, mesh, dtype, cache=False if no_cache else None,
+                                  progress=False if quiet else None)
     except FileNotFoundError as e:
         raise CliError(f"model not found: {e}") from None
     except (ValueError, OSError) as e:
@@ -134,7 +137,7 @@ def cmd_generate(args) -> int:
     if args.temperature < 0:
         raise CliError("--temperature must be >= 0")
     mesh = _parse_mesh(args.mesh)
-    cfg, params, tok = _load_model(args.model, args.no_cache, args.quiet)
+    cfg, params, tok = _load_model(args.model, args.no_cache, args.quiet, mesh, args.dtype)
     weights = _load_adapter_weights(cfg, folders)
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     max_len = min(cfg.max_seq_len, len(prompt_ids) + args.max_tokens + 1)
@@ -173,7 +176,7 @@ def cmd_server(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     mesh = _parse_mesh(args.mesh)
-    cfg, params, tok = _load_model(args.model, args.no_cache, args.quiet)
+    cfg, params, tok = _load_model(args.model, args.no_cache, args.quiet, mesh, args.dtype)
     weights = _load_adapter_weights(cfg, folders)
     engine = _build_engine(cfg, params, tok, weights, capacity=args.max_device_adapters, lora_rank=args.lora_rank,
                            reft_rank=args.reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype,

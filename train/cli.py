@@ -187,12 +187,14 @@ def start(a) -> dist.DistributedConfig:
     return dcfg
 
 
-def load_base(opts: ModelOptions):
-    """(ModelConfig, ModelRunner of the frozen base in opts.dtype with opts.backend, tokenizer)."""
+def load_base(opts: ModelOptions, mesh=None):
+    """(ModelConfig, ModelRunner of the frozen base in opts.dtype with opts.backend, tokenizer). The
+    weights are placed on `mesh` (one device without) as they load: an HF folder streams tensor by
+    tensor and each process reads only its devices' slices (preft_jax.loading.load_model_sharded)."""
     from preft_jax.generation import ModelRunner
-    from preft_jax.loading import load_model
+    from preft_jax.loading import load_model_sharded
     from preft_jax.model import Llama
-    cfg, params, tok = load_model(opts.path)
+    cfg, params, tok = load_model_sharded(opts.path, mesh, opts.dtype)
     return cfg, ModelRunner(Llama.from_params(cfg, params, dtype=opts.jnp_dtype, adapter_backend=opts.backend)), tok
 
 

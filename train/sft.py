@@ -227,14 +227,14 @@ def run(argv=None, prog: str = "python -m train.sft") -> dict | None:
     tc = config_from_args(a)                 # validates flags before anything starts
     opts = cli.model_options(a)
     cli.start(a)
-    dist.build_mesh(tc.mesh)   # the mesh must fit the devices
+    mesh = dist.build_mesh(tc.mesh)   # the mesh must fit the devices
     data = cli.prepare_data(a, generation_params(a.n_train, a.n_eval, a.seed), a.given)
-    cfg, runner, tok = cli.load_base(opts)
+    cfg, runner, tok = cli.load_base(opts, mesh)                    # weights streamed into the mesh
     tc = config_from_args(a, tok)            # a text --invocation becomes the tokenizer's ids
     invocation = tc.adapter.invocation
     train_data = LazyTokenized(tok, load_split(data, "train"), invocation=invocation)   # tokenizes only the
     eval_data = LazyTokenized(tok, load_split(data, "eval"), invocation=invocation)     # rows it reads
-    trainer = SFTTrainer(cfg, runner.graphdef, runner.state, tc)    # checks the mesh against the devices
+    trainer = SFTTrainer(cfg, runner.graphdef, runner.state, tc, mesh)
     out = pathlib.Path(a.out)
     state, hist = trainer.fit(train_data, eval_data if len(eval_data) else None, tok.pad_token_id,
                               checkpoint_dir=out / "checkpoints", metrics_path=out / "metrics.jsonl",
