@@ -32,7 +32,7 @@ import argparse
 import dataclasses
 import sys
 
-from preft_jax.config import ModelConfig
+from preft_jax.config import MODEL_PRESETS, ModelConfig, model_preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,24 +80,22 @@ class Shape:
         return self.layers * sum(a * b for a, b in self.proj_dims().values()) + self.vocab * self.d
 
 
-QWEN_05B = Shape("Qwen2.5-0.5B", 151936, 896, 24, 14, 2, 64, 4864, True)
-LLAMA_8B = Shape("Llama-3.1-8B", 128256, 4096, 32, 32, 8, 128, 14336, False)
-LLAMA_70B = Shape("Llama-3.1-70B", 128256, 8192, 80, 64, 8, 128, 28672, False)
+# The published shapes live in one place, preft_jax.config.MODEL_PRESETS.
+QWEN_05B = Shape.from_config("Qwen2.5-0.5B", MODEL_PRESETS["qwen2.5-0.5b"])
+LLAMA_8B = Shape.from_config("Llama-3.1-8B", MODEL_PRESETS["llama-3.1-8b"])
+LLAMA_70B = Shape.from_config("Llama-3.1-70B", MODEL_PRESETS["llama-3.1-70b"])
 SHAPES = (QWEN_05B, LLAMA_8B, LLAMA_70B)
 TARGETS = {"q,k,v,o": ("q", "k", "v", "o"), "all 7": ("q", "k", "v", "o", "gate", "up", "down")}
 
 
 # Random-weight model shapes for the benchmarks (`--model`), as preft_jax ModelConfigs. Qwen2.5's q/k/v
-# biases are left out (0.5% of its FLOPs); tiny is preft_jax.config.tiny_config with a longer context.
+# biases are left out (0.5% of its FLOPs), no stop tokens, no rope scaling; tiny is
+# preft_jax.config.tiny_config with a longer context.
 MODEL_CONFIGS = {
     "tiny": ModelConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                         rope_theta=1e4, rms_eps=1e-5, tie_embeddings=True, max_seq_len=4096),
-    "smollm2-135m": ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
-                                ffn_dim=1536, rope_theta=1e5, rms_eps=1e-5, tie_embeddings=True, max_seq_len=4096),
-    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
-                                ffn_dim=4864, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=True, max_seq_len=4096),
-    "llama-3.1-8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-                                ffn_dim=14336, rope_theta=5e5, rms_eps=1e-5, tie_embeddings=False, max_seq_len=4096),
+    **{name: model_preset(name, max_seq_len=4096, bos_token_id=None, eos_token_ids=(), rope_scaling=None,
+                          qkv_bias=False) for name in ("smollm2-135m", "qwen2.5-0.5b", "llama-3.1-8b")},
 }
 MODEL_NAMES = {"tiny": "tiny", "smollm2-135m": "SmolLM2-135M", "qwen2.5-0.5b": "Qwen2.5-0.5B",
                "llama-3.1-8b": "Llama-3.1-8B"}
