@@ -17,11 +17,11 @@
   bank) stay in the compute dtype (QLoRA): the quantized base is a constant input of the jitted
   steps, so training differentiates only the adapter params.
 
-The numerics are qwix's (`qwix.quantize` with absmax calibration; `qwix.einsum` with a float
-activation dequantizes the weight and runs a float matmul, which XLA fuses into the dot where the
-backend can): a quantized model computes exactly what the same model with the dequantized weights
-(`dequantize_params`) computes, up to summation order. Scales are computed in float32 and stored in
-the model dtype.
+The numerics are qwix's (`qwix.quantize` with absmax calibration; a matmul of a float activation
+with a QArray dequantizes the weight and runs a float dot, qwix's own path for float activations,
+which XLA fuses into the dot where the backend can): a quantized model computes exactly what the
+same model with the dequantized weights (`dequantize_params`) computes, up to summation order.
+Scales are computed in float32 and stored in the model dtype.
 
 qwix's model-level API (`quantize_model` / `PtqProvider` / `LoraProvider`, as Tunix uses for QLoRA)
 intercepts the einsums a module calls on its own nnx.Params. Our layer weights are stacked and
@@ -219,16 +219,21 @@ def gguf_source(path) -> pathlib.Path | None:
 
 # -------------------------------------------------------------------------- model computations
 def einsum(spec: str, x, w, **kwargs):
-    """`jnp.einsum(spec, x, w)` for a float weight, `qwix.einsum` for a QArray weight."""
+    """`jnp.einsum(spec, x, w)`; a QArray weight is dequantized first (`qwix.dequantize`), which is
+    what `qwix.einsum` itself does for a float activation (its "slow path": XLA fuses the dequantize
+    into the dot's operand). Calling `qwix.einsum` directly is avoided: on XLA:CPU (jax 0.10.2) its
+    operand order makes the bfloat16 LM head (bf16 x bf16 -> f32 dot) fail to run ("Unsupported
+    element type for DotThunk::Execute: BF16 x BF16 = F32"), see docs/quantization.md."""
     if isinstance(w, QArray):
-        return qwix.einsum(spec, x, w, **kwargs)
+        w = qwix.dequantize(w)
     return jnp.einsum(spec, x, w, **kwargs)
 
 
 def take(table, ids):
     """Rows `table[ids]` of an embedding table, float or quantized (dequantized after the gather)."""
-    if isinstance(table, QArray):
-        return qwix.dequantize(table[ids])
+    if isinstance(table, QArray):      # scales are per row (quantize_rows, GGUF blocks): gather them alike
+        ids = jnp.asarray(ids)
+        return qwix.dequantize(dataclasses.replace(table, qvalue=table.qvalue[ids], scale=table.scale[ids]))
     return table[ids]
 
 
