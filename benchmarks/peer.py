@@ -71,8 +71,8 @@ def main(argv=None) -> int:
                  f"--out {bench} --ranks {args.rank} --n-adapters {args.n_adapters} --targets q k v o")
 
     runner = load_runner(None, backend=args.backend)
-    log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens, "
-                       f"{args.n_adapters} LoRA r={args.rank} q/k/v/o from {adir}"))
+    log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens, " +
+               ("no adapters" if args.base_only else f"{args.n_adapters} LoRA r={args.rank} q/k/v/o from {adir}")))
     names = [f"lora_{i}" for i in range(args.n_adapters)]
 
     def work(rep, n):

@@ -8,9 +8,11 @@
    * token agreement %: teacher-forced top-1 agreement - fed float32's continuation, how often the
      variant's argmax is float32's next token (every position counts once; no drift after a miss),
    * KL: mean KL(float32 || variant) of the next-token distributions at those positions (nats).
-   Variants: bfloat16 (a reference for "numerics differ a little"), int8, int4, and both with the
-   embedding / LM head left in float32 (QuantConfig(embeddings=False)), which shows what
-   quantizing the LM head costs.
+   Variants: bfloat16 (a reference for "numerics differ a little"); int8 and int4 as `--quantize`
+   builds them from this GGUF (the embedding / tied LM head read straight from the file's Q8_0
+   blocks: the float model's exact values); both with the embedding requantized to int8 per
+   vocabulary row from float (what an HF-folder model gets), which shows what quantizing the LM
+   head costs; and int4 with symmetric (absmax) groups instead of the default asymmetric ones.
 2. Short SFT (the train.sft trainer; LoRA rank 8, prefill mode, same seed and data for all):
    eval loss of the float32-base LoRA vs QLoRA on int8 / int4 bases, before and after training.
 """
@@ -52,10 +54,18 @@ PROMPTS = [
 
 
 def _runner(cfg, params, dtype, quant, gguf):
+    """gguf: the file to read Q8_0 / Q4_0 blocks from (None: everything requantized from float).
+    quant "int4-symmetric": int4 with absmax groups (qwix's default calibration) - for comparison."""
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
-    from preft_jax.quantize import quantize_params
-    if quant is not None:
+    from preft_jax.quantize import PROJECTIONS, QuantConfig, quantize_params
+    if quant == "int4-symmetric":
+        import qwix
+        group = QuantConfig("int4").group_for(cfg)
+        sym = {n: qwix.quantize(jnp.asarray(params[n]), jnp.int4, channelwise_axes=(0, 2), tiled_axes={1: group})
+               for n in PROJECTIONS}
+        params = quantize_params(cfg, {**params, **sym}, "int4", dtype, gguf_path=gguf)
+    elif quant is not None:
         params = quantize_params(cfg, params, quant, dtype, gguf_path=gguf)
     return ModelRunner(Llama.from_params(cfg, params, dtype=dtype))
 
@@ -97,9 +107,9 @@ def agreement(cfg, params, tok, variants, n_prompts, n_tokens, gguf):
     log(f"# float32 weights {weight_bytes(ref.state) / 2 ** 20:.1f} MiB")
     target = np.asarray(ref_out)
     rows = []
-    for label, dtype, quant in variants:
+    for label, dtype, quant, direct in variants:
         t0 = time.perf_counter()
-        r = _runner(cfg, params, dtype, quant, gguf)
+        r = _runner(cfg, params, dtype, quant, gguf if direct else None)
         out = [g.tokens for g in r.generate(prompts, sp)]
         lp = _next_token_logprobs(r, tokens, plens, n_tokens).astype(np.float64)
         same = [a == b for a, b in zip(out, ref_out)]
@@ -156,10 +166,11 @@ def main(argv=None) -> int:
     gguf = gguf_source(args.model)
     log(f"# model {args.model or 'SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)'}, jax "
         f"{jax.__version__}, {jax.default_backend()}; int4 groups of {QuantConfig('int4').group_for(cfg)}")
-    variants = [("bfloat16", jnp.bfloat16, None), ("int8", jnp.float32, "int8"),
-                ("int8, embeddings float32", jnp.float32, QuantConfig("int8", embeddings=False)),
-                ("int4", jnp.float32, "int4"),
-                ("int4, embeddings float32", jnp.float32, QuantConfig("int4", embeddings=False))]
+    variants = [("bfloat16", jnp.bfloat16, None, False), ("int8", jnp.float32, "int8", True),
+                ("int8, embedding requantized per row", jnp.float32, "int8", False),
+                ("int4", jnp.float32, "int4", True),
+                ("int4, embedding requantized per row", jnp.float32, "int4", False),
+                ("int4, symmetric groups", jnp.float32, "int4-symmetric", True)]
     agree = agreement(cfg, params, tok, variants, args.prompts, args.tokens, gguf)
     log(f"\n| vs float32 ({args.prompts} prompts x {args.tokens} greedy tokens) | weights MiB | exact sequence | "
         f"common prefix (tokens) | token agreement (teacher-forced) | KL (nats/token) |\n|---|---:|---:|---:|---:|---:|")

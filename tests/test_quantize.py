@@ -28,21 +28,35 @@ seq_logits = jax.jit(sequence_logits, static_argnums=0)
 
 
 # ---------------------------------------------------------------------- float64 references
+def _groups(x, axis, group):
+    """x with `axis` split into (n_groups, group) (group None: one group)."""
+    group = x.shape[axis] if group is None else group
+    return x.reshape(x.shape[:axis] + (x.shape[axis] // group, group) + x.shape[axis + 1:])
+
+
 def _ref_quantize(w, qmax, axis, group=None):
     """Symmetric absmax quantization in float64 (qwix's documented numerics): scale = absmax / (qmax +
     0.5) over `axis` (whole, or in groups of `group`), q = round-half-even(w / scale) clipped to
-    [-qmax - 1, qmax]. Returns (q, scale broadcast to w's shape)."""
+    [-qmax - 1, qmax]. Returns (q, scale, zero point 0), broadcast to w's shape."""
     w = np.asarray(w, np.float64)
-    if group is None:
-        absmax = np.abs(w).max(axis=axis, keepdims=True)
-        scale = np.broadcast_to(absmax / (qmax + 0.5), w.shape)
-    else:
-        shape = list(w.shape)
-        split = shape[:axis] + [shape[axis] // group, group] + shape[axis + 1:]
-        absmax = np.abs(w.reshape(split)).max(axis=axis + 1, keepdims=True)
-        scale = np.broadcast_to(absmax / (qmax + 0.5), split).reshape(w.shape)
+    g = _groups(w, axis, group)
+    scale = np.broadcast_to(np.abs(g).max(axis=axis + 1, keepdims=True) / (qmax + 0.5), g.shape).reshape(w.shape)
     q = np.clip(np.round(w / scale), -qmax - 1, qmax)
-    return q, scale
+    return q, scale, np.zeros_like(w)
+
+
+def _ref_quantize_asymmetric(w, qmax, axis, group):
+    """Asymmetric minmax quantization in float64: per group lo = min(min, 0), hi = max(max, 0),
+    scale = (hi - lo) / (2 qmax + 1), integer zero point zp = round(-qmax - 1 - lo / scale),
+    q = round(w / scale + zp) clipped to [-qmax - 1, qmax]; w ~ (q - zp) * scale."""
+    w = np.asarray(w, np.float64)
+    g = _groups(w, axis, group)
+    lo = np.minimum(g.min(axis=axis + 1, keepdims=True), 0)
+    hi = np.maximum(g.max(axis=axis + 1, keepdims=True), 0)
+    scale = (hi - lo) / (2 * qmax + 1)
+    zp = np.clip(np.round(-qmax - 1 - lo / scale), -qmax - 1, qmax)
+    scale, zp = (np.broadcast_to(a, g.shape).reshape(w.shape) for a in (scale, zp))
+    return np.clip(np.round(w / scale + zp), -qmax - 1, qmax), scale, zp
 
 
 def _weights(shape, seed=0):
@@ -54,27 +68,37 @@ def _weights(shape, seed=0):
 @pytest.mark.parametrize("mode,qmax,group", [("int8", 127, None), ("int4", 7, 32), ("int4", 7, 16)])
 def test_quantize_weight_matches_float64_reference(mode, qmax, group):
     w = _weights((3, 96, 40), seed=qmax + (group or 0))
+    w[0, :group or 96, 0] = np.abs(w[0, :group or 96, 0]) + 0.5          # a group of positive weights only
     q = qz.quantize_weight(w, mode, group)
-    want_q, want_scale = _ref_quantize(w, qmax, axis=1, group=group)
+    ref = _ref_quantize if mode == "int8" else _ref_quantize_asymmetric
+    want_q, want_scale, want_zp = ref(w, qmax, 1, group)
     assert q.qvalue.dtype == qz.QTYPES[mode] and q.qvalue.shape == w.shape
     assert q.scale.shape == ((3, 1, 40) if group is None else (3, 96 // group, 40))
+    assert (q.zero_point is None) == (mode == "int8")
+    up = lambda a: np.repeat(np.asarray(a, np.float64), w.shape[1] // a.shape[1], 1)     # noqa: E731
+    np.testing.assert_allclose(up(q.scale), want_scale, rtol=1e-6)
+    zp = np.zeros_like(want_zp) if q.zero_point is None else up(q.zero_point)
+    np.testing.assert_array_equal(zp, want_zp)
     got_q = np.asarray(q.qvalue, np.int32)
-    # float32 division may land either side of an exact .5 tie (the absmax element sits at qmax + 0.5)
-    tie = np.abs(np.abs(np.asarray(w, np.float64) / want_scale) % 1 - 0.5) < 1e-4
+    # float32 arithmetic may land either side of an exact .5 tie (symmetric: the absmax element sits
+    # at qmax + 0.5); elsewhere the integers are the float64 reference's
+    tie = np.abs(np.abs(np.asarray(w, np.float64) / want_scale + want_zp) % 1 - 0.5) < 1e-4
     np.testing.assert_array_equal(got_q[~tie], want_q[~tie])
-    assert np.all(np.abs(got_q - want_q) <= 1) and tie.sum() <= 2 * w.size / w.shape[1] * (w.shape[1] // (group or w.shape[1]))
-    scale = np.broadcast_to(np.repeat(np.asarray(q.scale, np.float64), w.shape[1] // q.scale.shape[1], 1), w.shape)
-    np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+    assert np.all(np.abs(got_q - want_q) <= 1) and tie.mean() < 0.02        # ~ one absmax element per group
     deq = np.asarray(qz.dequantize(q), np.float64)
-    np.testing.assert_allclose(deq, got_q * want_scale, rtol=1e-6, atol=1e-7)
-    assert np.all(np.abs(deq - w) <= 0.5 * want_scale * (1 + 1e-4) + 1e-6)   # within half a step everywhere
+    np.testing.assert_allclose(deq, (got_q - want_zp) * want_scale, rtol=1e-6, atol=1e-6)
+    # error: within half a step, except where the rounded zero point pushes a group's extreme past
+    # the integer range (asymmetric: clipped, within one step)
+    inside = np.abs(np.asarray(w, np.float64) / want_scale + want_zp) <= qmax + 0.5
+    err = np.abs(deq - w) / want_scale
+    assert err[inside].max() <= 0.5 + 1e-4 and err.max() <= 1 + 1e-4
     assert np.abs(deq - w).max() > 0                                     # it is lossy
 
 
 def test_quantize_rows_and_scale_dtype():
     t = _weights((50, 64), seed=3)
     q = qz.quantize_rows(t, jnp.bfloat16)
-    want_q, want_scale = _ref_quantize(t, 127, axis=1)
+    want_q, want_scale, _ = _ref_quantize(t, 127, axis=1)
     tie = np.abs(np.abs(np.asarray(t, np.float64) / want_scale) % 1 - 0.5) < 1e-4
     np.testing.assert_array_equal(np.asarray(q.qvalue, np.int32)[~tie], want_q[~tie])
     assert q.scale.shape == (50, 1) and q.scale.dtype == jnp.bfloat16      # computed in f32, stored in bf16
@@ -87,6 +111,9 @@ def test_quant_config_errors():
     assert qz.QuantConfig.parse(None) is None and qz.QuantConfig.parse("none") is None
     assert qz.QuantConfig.parse("int4").group_for(CFG) == 64
     assert qz.QuantConfig.parse("int4").group_for(tiny_config(d_model=96, ffn_dim=192, head_dim=24)) == 32
+    with pytest.raises(ValueError, match=r"no int4 group size in \(64, 32\) divides the projection input dimensions "
+                                         r"\[80, 160\]; pass QuantConfig\(group_size=...\)"):
+        qz.QuantConfig.parse("int4").group_for(tiny_config(d_model=80, ffn_dim=160, head_dim=20))
     assert qz.QuantConfig("int8").group_for(CFG) is None
     with pytest.raises(ValueError, match=r"quantize must be one of \('int8', 'int4'\), got 'int3'"):
         qz.QuantConfig("int3")
@@ -267,7 +294,7 @@ for name, qc in (("int8", qz.QuantConfig("int8")), ("int4g16", qz.QuantConfig("i
     specs = {}
     for path, x in jax.tree_util.tree_flatten_with_path(sharded.state)[0]:
         p = shd.path_name(path)
-        if p.split("/")[-1] in ("qvalue", "scale"):
+        if p.split("/")[-1] in ("qvalue", "scale", "zero_point"):
             specs[p] = [str(x.sharding.spec), str(x.dtype), len(x.sharding.device_set)]
     want = np.asarray(f(single.graphdef, single.state, tokens, plens))
     with sharded.mesh_context():
@@ -296,6 +323,7 @@ def test_sharded_quantized_weights_on_8_fake_devices():
     assert s16["layers/wq/scale"][0] == "P(None, 'fsdp', 'tensor')"
     assert s16["layers/w_down/scale"][0] == "P(None, 'tensor', 'fsdp')"
     assert s16["layers/wo/scale"][0] == "P(None, 'tensor', 'fsdp')"
+    assert s16["layers/wq/zero_point"][:2] == ["P(None, 'fsdp', 'tensor')", "int4"]     # int4: asymmetric
     # ... and replicated over it when groups span heads (group 32 > head_dim 16)
     assert s32["layers/wo/scale"][0] == "P(None, None, 'fsdp')"
     assert s32["layers/wo/qvalue"][0] == "P(None, 'tensor', 'fsdp')"
