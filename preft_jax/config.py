@@ -11,6 +11,9 @@ PROJECTION_AXES: dict[str, tuple[str, str]] = {
     "o": ("q_heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed"),
 }
 
+# Weight-only quantization of the frozen base (preft_jax.quantize): int8 per output channel, int4 grouped.
+QUANT_MODES = ("int8", "int4")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from preft_jax import quantize
 from preft_jax import sharding as shd
 from preft_jax.adapters import policy
 from preft_jax.adapters.bank import AdapterBank
@@ -141,6 +142,7 @@ class ModelRunner:
         self.cfg = model.cfg
         self.dtype = model.dtype
         self.adapter_backend = model.adapter_backend
+        self.quantization = quantize.model_quantization(model)    # "int8" | "int4" | None
         self.graphdef, self.state = nnx.split(model)
         self.mesh = None
         if mesh is not None:

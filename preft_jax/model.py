@@ -20,7 +20,9 @@ table in preft_jax.sharding maps both onto the mesh. Returned caches are constra
 declared axes.
 
 dtype (float32 | bfloat16) is the weights' and activations' dtype; RMSNorm statistics, RoPE, the
-attention softmax, the logits and the LoRA shrink accumulation are float32 whatever the dtype.
+attention softmax, the logits and the LoRA shrink accumulation are float32 whatever the dtype. The
+base projections and the embedding may hold int8 / int4 qwix QArrays instead (`from_params` with
+`preft_jax.quantize.quantize_params`' output); the model reads them through `quantize.einsum/take`.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from preft_jax.adapters.bank import AdapterBank, LayerAdapters
 from preft_jax.adapters.context import AdapterContext, resolve_backend
 from preft_jax.config import PROJECTION_AXES, ModelConfig
 from preft_jax import paged_kv
+from preft_jax import quantize as quant
 from preft_jax import sharding as shd
 from preft_jax.kv_cache import KVCache
 from preft_jax.paged_kv import PagedBatch, PagedKVCache
@@ -137,11 +140,12 @@ class Llama(nnx.Module):
 
         def put(holder, name, value):
             ref = getattr(holder, name)
-            placed = isinstance(value, jax.Array)       # e.g. streamed into its sharding: no host round trip
+            quantized = quant.is_quantized(value)          # QArrays: preft_jax.quantize
+            placed = quantized or isinstance(value, jax.Array)   # e.g. streamed into its sharding: no host round trip
             value = value if placed else np.asarray(value)
             if tuple(value.shape) != tuple(ref.shape):
                 raise ValueError(f"parameter {name}: expected shape {tuple(ref.shape)}, got {value.shape}")
-            ref.set_value(value if placed and value.dtype == dtype else jnp.asarray(value, dtype))
+            ref.set_value(value if quantized or (placed and value.dtype == dtype) else jnp.asarray(value, dtype))
 
         for name in layer_param_names(cfg):
             put(model.layers, name, params[name])
@@ -155,10 +159,10 @@ class Llama(nnx.Module):
     def logits(self, h):
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_eps)
         w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        return quant.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
     def _project(self, x, w, name, adapters: LayerAdapters | None, ctx: AdapterContext | None, bias=None):
-        return self._adapt(x, jnp.einsum("btd,de->bte", x, w), name, adapters, ctx, bias)
+        return self._adapt(x, quant.einsum("btd,de->bte", x, w), name, adapters, ctx, bias)
 
     def _projections(self, x, p, names, layer, adapters, ctx, dense):
         """The projections `names` of one input x (e.g. q, k, v): XLA dots on the layer's weights p,
@@ -290,7 +294,7 @@ class Llama(nnx.Module):
                             c.v.at[layer, slots, positions].set(v.astype(c.v.dtype), mode="drop"))
             return self._attention(q, k, v, causal), c
 
-        h = self._constrain(self.embed[...][tokens].astype(self.dtype), H_AXES)
+        h = self._constrain(quant.take(self.embed[...], tokens).astype(self.dtype), H_AXES)
         h, cache = self._scan_layers(h, bank, ctx, positions, attend, cache, remat=remat)
         return h, self._constrain_cache(cache)
 
@@ -312,7 +316,7 @@ class Llama(nnx.Module):
             out = self._attention(q, kk[layer].astype(q.dtype), vv[layer].astype(q.dtype), mask)
             return out, KVCache(kk, vv)
 
-        h = self._constrain(self.embed[...][tokens[:, None]].astype(self.dtype), H_AXES)
+        h = self._constrain(quant.take(self.embed[...], tokens[:, None]).astype(self.dtype), H_AXES)
         h, cache = self._scan_layers(h, bank, ctx, positions[:, None], attend, cache)
         return self.logits(h[:, 0]), self._constrain_cache(cache)
 
@@ -327,7 +331,7 @@ class Llama(nnx.Module):
         R, C = tokens.shape
         self._check_context(bank, ctx, R * C)
         positions = batch.positions
-        h = self._constrain(self.embed[...][tokens].astype(self.dtype), H_AXES)
+        h = self._constrain(quant.take(self.embed[...], tokens).astype(self.dtype), H_AXES)
         if batch.attention.startswith("kernel:"):
             if C != 1:
                 raise ValueError("the paged-attention kernels decode one token per row (C == 1)")

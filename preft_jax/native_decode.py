@@ -2,7 +2,7 @@
 weights) run as one pallas_kernels.cpu XLA FFI call on weights packed once at load; other calls run
 their base projections as native matmuls on the same packed weights (`Llama.forward_paged(dense=)`).
 
-    why = unsupported_reason(cfg, dtype, mesh)        "" when the native path can serve this model here
+    why = unsupported_reason(cfg, dtype, mesh, quantization)   "" when the native path can serve this model
     native = pack(model)                              NativeWeights (a pytree: pass it to paged_step)
     logits, greedy, cache = decode_logits(model, native, tokens, batch, cache)
 
@@ -35,8 +35,12 @@ class NativeWeights:
     vocab_size: int = dataclasses.field(metadata=dict(static=True), default=0)
 
 
-def unsupported_reason(cfg: ModelConfig, dtype, mesh=None) -> str:
-    """"" when the native decode step can serve `cfg` in `dtype` here, else why not."""
+def unsupported_reason(cfg: ModelConfig, dtype, mesh=None, quantization: str | None = None) -> str:
+    """"" when the native decode step can serve `cfg` in `dtype` here, else why not. `quantization`:
+    "int8" | "int4" when the base weights are quantized (preft_jax.quantize)."""
+    if quantization:
+        return (f"the base weights are quantized ({quantization}); the native step packs and reads "
+                f"float32 weights")
     if mesh is not None:
         return f"the engine runs on a mesh {dict(mesh.shape)} (the native step is one unsharded CPU device)"
     if jnp.dtype(dtype) != jnp.float32:

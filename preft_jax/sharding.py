@@ -4,7 +4,10 @@ Every model, adapter, bank and cache array declares the *logical* name of each o
 where it is created (MaxText / Tunix style):
 
 * model weights: `nnx.Param(..., out_sharding=("layers", "embed", "q_heads"), eager_sharding=False)`
-  in `preft_jax.model` (read back from the Variable metadata);
+  in `preft_jax.model` (read back from the Variable metadata). A quantized weight (a qwix QArray,
+  preft_jax.quantize) declares `<path>/qvalue` with the weight's axes and `<path>/scale` with the
+  same names, size-1 dimensions unsplit: per-channel scales follow the output-channel axis, grouped
+  ones the input axis too (a head axis only where each head holds whole groups);
 * `AdapterBank.logical_axes()`, `KVCache.logical_axes()`, `PagedKVCache.logical_axes()` (same pytree,
   tuples of names at the leaves), and `preft_jax.adapters.trainable.param_axes(params)` for the
   trainable single-adapter dicts;
@@ -205,6 +208,12 @@ def logical_spec(axes: Sequence, shape: Sequence[int], mesh, units: Mapping[str,
             if units is None or name not in units:
                 raise ValueError(f"{where}: dimension {name!r} is split by whole heads; pass the model "
                                  f"config (units=axis_units(cfg))")
+            if dim % units[name]:
+                # e.g. the group scales of an int4 weight whose groups span heads: no whole-head split
+                _warn_once(f"{where}: {name} dimension {dim} is not a whole number per head "
+                           f"({units[name]} heads); replicated")
+                out.append(None)
+                continue
             n = units[name]
         entry, dropped = _fit(rules[name], n, ms, used)
         if dropped and name != "batch":
@@ -243,13 +252,19 @@ def declared_axes(tree) -> dict[str, Axes]:
     nnx State / Module (Variable `out_sharding` metadata), objects with `logical_axes()` (AdapterBank,
     KVCache, PagedKVCache), trainable adapter dicts (`trainable.param_axes`)."""
     from flax import nnx
+    from preft_jax.quantize import component_axes
     if isinstance(tree, (nnx.State, nnx.Module)):
         state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
         out = {}
         leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
         for path, var in leaves:
             if isinstance(var, nnx.Variable):
-                out[path_name(path)] = var.get_metadata().get("out_sharding")
+                axes = var.get_metadata().get("out_sharding")
+                parts = None if axes is None else component_axes(var.get_value(), axes)
+                if parts is None:
+                    out[path_name(path)] = axes
+                else:                                   # a quantized weight: its qvalue and scale
+                    out.update({f"{path_name(path)}/{k}": a for k, a in parts.items()})
         return out
     if hasattr(tree, "logical_axes"):
         axes_tree = tree.logical_axes()

@@ -10,8 +10,8 @@
                            [--adapter-root DIR] [--max-queued 1024] [--request-timeout 600]
                            [--max-body-bytes 4194304] [--shutdown-grace 10]
                            [--warmup background|full|none] [--warmup-logprobs]
-    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--mesh data=D,tensor=T]
-          [--cpu-decode auto|native|xla] [--no-cache] [--quiet]
+    both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--quantize int8|int4]
+          [--mesh data=D,tensor=T] [--cpu-decode auto|native|xla] [--no-cache] [--quiet]
 
 `python -m serve generate --help` / `server --help` list every flag with its default.
 
@@ -90,16 +90,22 @@ def _load_adapter_weights(cfg, folders: dict[str, str]) -> dict:
 
 
 def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank, reft_rank, mode, backend,
-                  dtype="float32", adapter_dir=None, host_cache_bytes=1 << 30, mesh=None, **engine_kw):
-    """ModelRunner + AdapterRegistry (tiers) + Engine; engine_kw are EngineConfig fields."""
+                  dtype="float32", adapter_dir=None, host_cache_bytes=1 << 30, mesh=None, quantize=None,
+                  model_path=None, **engine_kw):
+    """ModelRunner + AdapterRegistry (tiers) + Engine; engine_kw are EngineConfig fields. quantize:
+    "int8" | "int4" base weights (GGUF Q8_0 / Q4_0 tensors of `model_path` read as they are)."""
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
+    from preft_jax.quantize import gguf_source, quantize_params
     from serve.engine import Engine, EngineConfig
     from serve.registry import AdapterRegistry
     max_len = engine_kw.get("max_model_len", 1024)
     if max_len > cfg.max_seq_len:
         raise CliError(f"--max-model-len {max_len} exceeds the model's context {cfg.max_seq_len}")
     try:
+        if quantize:
+            params = quantize_params(cfg, params, quantize, dtype,
+                                     gguf_path=None if model_path == "tiny" else gguf_source(model_path))
         runner = ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend), mesh=mesh)
         registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank, dtype=runner.dtype,
                                    adapter_dir=adapter_dir, host_cache_bytes=host_cache_bytes)
@@ -146,6 +152,7 @@ def cmd_generate(args) -> int:
     lora_rank, reft_rank = _ranks(weights)
     engine = _build_engine(cfg, params, tok, weights, capacity=len(weights), lora_rank=lora_rank,
                            reft_rank=reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype, mesh=mesh,
+                           quantize=args.quantize, model_path=args.model,
                            max_num_seqs=1, max_prefill_seqs=1, max_model_len=max_len,
                            max_num_batched_tokens=max(2, min(512, max_len)), cpu_decode=args.cpu_decode)
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
@@ -181,6 +188,7 @@ def cmd_server(args) -> int:
     engine = _build_engine(cfg, params, tok, weights, capacity=args.max_device_adapters, lora_rank=args.lora_rank,
                            reft_rank=args.reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype,
                            adapter_dir=args.adapter_dir, host_cache_bytes=args.host_cache_bytes, mesh=mesh,
+                           quantize=args.quantize, model_path=args.model,
                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                            max_prefill_seqs=args.max_prefill_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
@@ -211,6 +219,7 @@ def cmd_server(args) -> int:
 
 def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     from preft_jax import __version__
+    from preft_jax.config import QUANT_MODES
     from preft_jax.cli_help import HelpFormatter
     p = argparse.ArgumentParser(prog=prog, description="preft_jax serving: PreFT adapted prefill, base-weights "
                                 "decode.", formatter_class=HelpFormatter)
@@ -228,6 +237,9 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
                         help="adapter backend (auto: pallas on TPU/GPU where the kernels lower, else xla; jnp on CPU)")
         sp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights, KV cache and adapter bank dtype")
+        sp.add_argument("--quantize", choices=QUANT_MODES, default=None,
+                        help="base weights int8 (per channel) or int4 (grouped) through qwix; adapters, KV cache "
+                             "and activations stay in --dtype (docs/quantization.md)")
         sp.add_argument("--mesh", default=None, metavar="data=D,tensor=T",
                         help="shard over every device: tensor-parallel heads/ffn/vocab, data-parallel rows "
                              "(sizes default to 1; their product must equal the device count)")

@@ -251,7 +251,8 @@ class Engine:
         if choice == "xla":
             return None
         why = (f"the default backend is {jax.default_backend()}" if jax.default_backend() != "cpu"
-               else native_decode.unsupported_reason(self.runner.cfg, self.runner.dtype, self.mesh))
+               else native_decode.unsupported_reason(self.runner.cfg, self.runner.dtype, self.mesh,
+                                                 self.runner.quantization))
         if why:
             if choice == "native":
                 raise ValueError(f"cpu_decode='native' is unavailable: {why}")

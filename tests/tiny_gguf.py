@@ -1,4 +1,4 @@
-"""Writes a tiny random Llama GGUF (Q8_0 weights, byte-level BPE tokenizer, ChatML template) for tests."""
+"""Writes a tiny random Llama GGUF (Q8_0 weights by default, byte-level BPE tokenizer, ChatML template) for tests."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,8 @@ def _byte_tokens() -> list[str]:
 
 
 def write_tiny_gguf(path, seed: int = 0, n_layers: int = 2, d: int = 64, n_heads: int = 4, n_kv: int = 2,
-                    ffn: int = 96) -> None:
+                    ffn: int = 96, qtype: str = "Q8_0") -> None:
+    """`qtype`: the ggml type of the layer projections (token_embd is always Q8_0)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -40,15 +41,15 @@ def write_tiny_gguf(path, seed: int = 0, n_layers: int = 2, d: int = 64, n_heads
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_chat_template(CHATML)
 
-    def add(name, shape, norm=False):
+    def add(name, shape, norm=False, type_name=qtype):
         if norm:
             w.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             return
         arr = (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
-        q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType[type_name])
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[type_name])
 
-    add("token_embd.weight", (vocab, d))
+    add("token_embd.weight", (vocab, d), type_name="Q8_0")
     add("output_norm.weight", (d,), norm=True)
     for i in range(n_layers):
         add(f"blk.{i}.attn_norm.weight", (d,), norm=True)

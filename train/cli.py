@@ -8,7 +8,7 @@ Flags (defaults from the trainer's config class):
     loop        --steps --seed --log-every --eval-every --logit-chunk --pad-multiple
     mesh        --mesh data,fsdp,tensor            (multi-process: must use every device)
     checkpoint  --checkpoint-every --keep-checkpoints
-    model       --model PATH --dtype {float32,bfloat16} --backend {auto,jnp,xla,pallas}
+    model       --model PATH --dtype {float32,bfloat16} --backend {auto,jnp,xla,pallas} --quantize {int8,int4}
     processes   --coordinator HOST:PORT|auto --num-processes --process-id --local-device-count --init-timeout
     output      --out RUN_FOLDER  (checkpoints/, metrics.jsonl, adapter/, data/; resumes when it holds checkpoints)
 
@@ -30,8 +30,8 @@ import signal
 import sys
 
 from train import distributed as dist
-from train.config import (ADAPTERS, BACKENDS, DTYPES, MODES, AdapterSpec, CheckpointConfig, MeshConfig,
-                          ModelOptions, OptimizerConfig, TrainerConfig)
+from train.config import (ADAPTERS, BACKENDS, DTYPES, MODES, QUANT_MODES, AdapterSpec, CheckpointConfig,
+                          MeshConfig, ModelOptions, OptimizerConfig, TrainerConfig)
 
 log = logging.getLogger("train")
 
@@ -94,6 +94,9 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
     g.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of the frozen base model (adapter params and optimizer state stay float32)")
     g.add_argument("--backend", default="jnp", help=f"adapter backend, one of {BACKENDS} (the model validates it)")
+    g.add_argument("--quantize", choices=QUANT_MODES, default=None,
+                   help="frozen base weights int8 (per channel) or int4 (grouped), adapters in float: QLoRA "
+                        "(docs/quantization.md)")
     dist.add_cli_args(p)
 
 
@@ -167,7 +170,7 @@ def trainer_fields(a, tokenizer=None) -> dict:
 
 
 def model_options(a) -> ModelOptions:
-    return ModelOptions(path=a.model, dtype=a.dtype, backend=a.backend)
+    return ModelOptions(path=a.model, dtype=a.dtype, backend=a.backend, quantize=a.quantize)
 
 
 def start(a) -> dist.DistributedConfig:
@@ -188,13 +191,17 @@ def start(a) -> dist.DistributedConfig:
 
 
 def load_base(opts: ModelOptions, mesh=None):
-    """(ModelConfig, ModelRunner of the frozen base in opts.dtype with opts.backend, tokenizer). The
-    weights are placed on `mesh` (one device without) as they load: an HF folder streams tensor by
-    tensor and each process reads only its devices' slices (preft_jax.loading.load_model_sharded)."""
+    """(ModelConfig, ModelRunner of the frozen base in opts.dtype (quantized by opts.quantize) with
+    opts.backend, tokenizer). The weights are placed on `mesh` (one device without) as they load: an
+    HF folder streams tensor by tensor and each process reads only its devices' slices
+    (preft_jax.loading.load_model_sharded)."""
     from preft_jax.generation import ModelRunner
     from preft_jax.loading import load_model_sharded
     from preft_jax.model import Llama
     cfg, params, tok = load_model_sharded(opts.path, mesh, opts.dtype)
+    if opts.quantize:
+        from preft_jax.quantize import gguf_source, quantize_params
+        params = quantize_params(cfg, params, opts.quantize, opts.jnp_dtype, gguf_path=gguf_source(opts.path))
     return cfg, ModelRunner(Llama.from_params(cfg, params, dtype=opts.jnp_dtype, adapter_backend=opts.backend)), tok
 
 

@@ -22,7 +22,7 @@ import typing
 
 from preft_jax.adapters.config import LORA_TARGETS, REFT_KINDS, LoraConfig, ReftConfig
 from preft_jax.adapters.policy import MODES, PositionPolicy
-from preft_jax.config import ModelConfig
+from preft_jax.config import QUANT_MODES, ModelConfig
 
 ADAPTERS = ("lora", "reft")
 DTYPES = ("float32", "bfloat16")
@@ -194,16 +194,20 @@ class CheckpointConfig(JsonConfig):
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions(JsonConfig):
-    """How the frozen base model is built: its dtype and the adapter backend (validated by the model).
+    """How the frozen base model is built: its dtype, its weight quantization (QLoRA) and the adapter
+    backend (validated by the model).
 
     The trainable adapter and the optimizer state stay float32 whatever the base dtype."""
     path: str | None = None               # GGUF file or HF folder (None: the embedded SmolLM2-135M)
     dtype: str = "float32"
     backend: str = "jnp"
+    quantize: str | None = None           # "int8" | "int4": the base weights (preft_jax.quantize)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantize is not None and self.quantize not in QUANT_MODES:
+            raise ValueError(f"quantize must be one of {QUANT_MODES} or None, got {self.quantize!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a name (one of {BACKENDS}), got {self.backend!r}")
 

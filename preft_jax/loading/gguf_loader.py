@@ -2,6 +2,8 @@
 
 Quantized tensors (Q4_0/Q4_1/Q8_0/K-quants/...) are dequantized with `gguf.quants.dequantize`; the
 result is float32 by default (any numpy dtype, e.g. `jnp.bfloat16`, may be requested).
+`read_direct` reads Q8_0 / Q4_0 tensors as their integers and block scales instead (for the
+quantized base of preft_jax.quantize: no float round trip).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import numpy as np
 from preft_jax.config import ModelConfig
 from preft_jax.loading.default_model import resolve_model_path
 from preft_jax.loading.progress import progress_bar
-from preft_jax.loading.weight_names import GGUF_IGNORED, GGUF_RULES, ParamAssembler
+from preft_jax.loading.weight_names import (GGUF_IGNORED, GGUF_RULES, LAYERED, TRANSFORMS, ParamAssembler,
+                                            canonical_shapes, match_weight)
 from preft_jax.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
@@ -156,3 +159,68 @@ def load_gguf(path: str | os.PathLike | None = None, dtype=np.float32, progress:
         asm.add(t.name, np.asarray(arr, dtype=np.float32).reshape(shapes[t.name]))
     params = asm.finish()
     return cfg, params, tokenizer
+
+
+# ----------------------------------------------------------------------------- integer blocks
+BLOCK_LAYOUTS = {"Q8_0": 34, "Q4_0": 18}      # bytes per block of 32 values: f16 scale + the values
+BLOCK = 32
+
+
+def _blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 / Q4_0 tensor's raw bytes [rows, n_blocks * block bytes] -> (values int8 [rows, cols],
+    scales float32 [rows, cols / 32]) with row value j = values[j] * scales[j // 32] (ggml's math:
+    Q8_0 w = d * q; Q4_0 w = d * (q - 8), the nibbles of byte i holding values i and i + 16)."""
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, BLOCK_LAYOUTS[type_name])
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    body = blocks[..., 2:]
+    if type_name == "Q8_0":
+        values = body.copy().view(np.int8)
+    else:
+        values = np.concatenate([body & 0x0F, body >> 4], axis=-1).astype(np.int8) - 8
+    return values.reshape(rows, -1), scales
+
+
+def read_direct(path: str | os.PathLike | None, cfg: ModelConfig, type_name: str, names) -> dict:
+    """{canonical name: (values int8, scales float32)} of the canonical params in `names` whose every
+    GGUF tensor is stored as `type_name` ("Q8_0" or "Q4_0"), in canonical orientation: values have
+    the param's canonical shape ([L, d_in, d_out], embed [V, d]), scales the same with the input
+    (contraction) dimension divided by 32. Params stored in any other type are left out."""
+    import gguf
+
+    if type_name not in BLOCK_LAYOUTS:
+        raise ValueError(f"direct GGUF reads take {tuple(BLOCK_LAYOUTS)}, got {type_name!r}")
+    path = resolve_model_path(path)
+    reader = _open_reader(path)
+    want = gguf.GGMLQuantizationType[type_name]
+    shapes = canonical_shapes(cfg)
+    names = [n for n in names if n in shapes]
+    types: dict[str, set] = {}
+    parts: dict[str, dict] = {}
+    for t in reader.tensors:
+        hit = match_weight(t.name, GGUF_RULES, GGUF_IGNORED)
+        if hit is None or hit[0].canonical not in names:
+            continue
+        rule, layer = hit
+        types.setdefault(rule.canonical, set()).add(t.tensor_type)
+        if t.tensor_type != want:
+            continue
+        values, scales = _blocks(t.data, type_name)
+        transform = TRANSFORMS[rule.transform]      # [out, in] -> canonical; the same on the scale rows
+        parts.setdefault(rule.canonical, {})[layer] = (transform(values, cfg), transform(scales, cfg))
+    out = {}
+    for name, got in parts.items():
+        if types[name] != {want}:
+            continue                                  # mixed types: the caller requantizes this one
+        if name in LAYERED:
+            if sorted(got) != list(range(cfg.n_layers)):
+                raise ValueError(f"{path}: {name} has layers {sorted(got)}, expected 0..{cfg.n_layers - 1}")
+            values = np.stack([got[i][0] for i in range(cfg.n_layers)])
+            scales = np.stack([got[i][1] for i in range(cfg.n_layers)])
+        else:
+            values, scales = got[None]
+        if values.shape != shapes[name]:
+            raise ValueError(f"{path}: {name} reads as {values.shape}, expected {shapes[name]} from the config")
+        out[name] = (values, scales)
+    return out
