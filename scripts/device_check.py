@@ -17,7 +17,7 @@ nothing):
             shape at B=1, 16, 256, prefill chunks of 2048 and 512 tokens (base and PreFT-LoRA with 64
             adapters), and the 8B decode step's components by ablation plus its op profile; each
             figure beside its bound ("NN% of HBM bound", H200: 4.8 TB/s, 989 TFLOP/s).
-  serving   serve.benchmark's engine benchmark (base vs all-token LoRA vs PreFT-LoRA vs PreFT-ReFT)
+  serving   experiments.serve_benchmark's engine benchmark (base vs all-token LoRA vs PreFT-LoRA vs PreFT-ReFT)
             on the Llama-3.1-8B shape, 64 and 512 adapters, adapter backend `auto`; base end to end
             against its roofline.
   training  benchmarks.train_mfu on the Llama-3.1-8B shape: one SFT step and one GRPO update (LoRA r16
@@ -424,7 +424,7 @@ def serving(plan: Plan, rep: Report, backend: str):
 
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
-    from serve.benchmark import Workload, run_serving, table
+    from experiments.serve_benchmark import Workload, run_serving, table
     lines = []
     for label, cfg in plan.models:
         if rep.over_budget():

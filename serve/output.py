@@ -16,14 +16,43 @@ stops generating within a step.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from serve.detokenizer import IncrementalDetokenizer
-from serve.request import Request, Result
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished request's outcome (built here by `RequestOutput`; `serve.request` re-exports it)."""
+    request_id: str
+    adapter: str | None
+    tokens: list[int]             # generated ids (a stop token is not included)
+    text: str | None              # decoded text (None without a tokenizer), cut before a stop string
+    finish_reason: str            # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    logprobs: list | None = None          # per generated token (logprob, [(id, logprob)] * k), if asked for
+    prompt_logprobs: list | None = None   # per prompt token, entry 0 None, if asked for
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens}
 
 
 class RequestOutput:
-    def __init__(self, req: Request, tokenizer, cancel: Callable[[Request], None] | None = None):
+    """Turns one `serve.request.Request`'s engine events into public events (this module does not import
+    serve.request: the request imports its output, never the other way)."""
+
+    def __init__(self, req, tokenizer, cancel: Callable | None = None):
         self.req, self.tokenizer, self.cancel = req, tokenizer, cancel
         self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, req.stop_strings)
         self.tokens: list[int] = []

@@ -11,7 +11,8 @@ with `.put`, e.g. the server's asyncio bridge):
     ("finished", reason)             "stop" (stop token), "length" or "cancelled"
     ("error", EngineError)           failed: engine fault, deadline, shutdown
 
-The consumer turns them into text with `serve.output.RequestOutput` (stop strings, UTF-8 hold-back);
+The consumer turns them into text with `serve.output.RequestOutput` (stop strings, UTF-8 hold-back;
+it builds the `Result`, which lives there so the imports go one way: request -> output);
 `wait()` and `stream()` do that for blocking callers and yield ("delta", (ids, text)) then
 ("done", Result).
 
@@ -30,6 +31,7 @@ from typing import Sequence
 
 from preft_jax.sampling import SamplingParams
 from serve.errors import DeadlineExceededError, EngineError
+from serve.output import RequestOutput, Result   # noqa: F401 - Result: a request's outcome, re-exported
 
 _ids = itertools.count()
 
@@ -45,31 +47,6 @@ class GenerationRequest:
     adapter: str | None = None
     sampling: SamplingParams = SamplingParams()
     stop: Sequence[str] = ()
-
-
-@dataclasses.dataclass
-class Result:
-    request_id: str
-    adapter: str | None
-    tokens: list[int]             # generated ids (a stop token is not included)
-    text: str | None              # decoded text (None without a tokenizer), cut before a stop string
-    finish_reason: str            # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    logprobs: list | None = None          # per generated token (logprob, [(id, logprob)] * k), if asked for
-    prompt_logprobs: list | None = None   # per prompt token, entry 0 None, if asked for
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    @property
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,7 +104,6 @@ class Request:
 
     def output(self):
         if self._output is None:
-            from serve.output import RequestOutput
             self._output = RequestOutput(self, self.tokenizer, self.on_stop)
         return self._output
 

@@ -26,11 +26,39 @@ def default_gguf_path() -> str:
     return _default_gguf_or_skip()
 
 
+# `hf_reference` tests need the torch CPU reference; without it they skip, naming what is missing.
+HF_REFERENCE_MODULES = ("torch", "transformers")
+
+
+def hf_missing_reason(*names: str) -> str | None:
+    """Why a test needing these reference packages cannot run here (None: it can)."""
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    return (f"HF reference: {', '.join(missing)} not installed (pip install -e '.[test]')") if missing else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A test using the `hf_reference` fixture is an hf_reference test, marked or not (so that
+    `-m "not hf_reference"` deselects it)."""
+    for item in items:
+        if "hf_reference" in getattr(item, "fixturenames", ()) and item.get_closest_marker("hf_reference") is None:
+            item.add_marker(pytest.mark.hf_reference)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("hf_reference") is not None:
+        reason = hf_missing_reason(*HF_REFERENCE_MODULES)
+        if reason:
+            pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def hf_reference(default_gguf_path):
     """(transformers model in float32, HF tokenizer) loaded from the same GGUF file."""
-    if importlib.util.find_spec("transformers") is None:
-        pytest.skip("transformers not installed")
+    reason = hf_missing_reason(*HF_REFERENCE_MODULES)
+    if reason:
+        pytest.skip(reason)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.split(default_gguf_path)

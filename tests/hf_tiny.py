@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -90,9 +92,14 @@ def write_llama3_tokenizer(folder, tok, ids) -> None:
         "bos_token_id": bos, "eos_token_id": [ids["<|end_of_text|>"], ids["<|eot_id|>"]], "do_sample": False}))
 
 
+def _reference(name: str):
+    """The torch reference package, or a skip naming it (these builders are test references only)."""
+    return pytest.importorskip(name, reason=f"HF reference: {name} not installed (pip install -e '.[test]')")
+
+
 def randomize_(model, seed: int):
     """Non-trivial weights everywhere: norm scales around 1 and random q/k/v biases (HF zero-inits them)."""
-    import torch
+    torch = _reference("torch")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -105,7 +112,8 @@ def randomize_(model, seed: int):
 
 def tiny_qwen2(folder, seed: int = 0, tie: bool = False):
     """(torch Qwen2ForCausalLM in float32 eval mode, special ids) saved with its tokenizer in `folder`."""
-    import torch
+    torch = _reference("torch")
+    _reference("transformers")
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
     tok, ids = qwen2_tokenizer()
@@ -122,7 +130,8 @@ def tiny_qwen2(folder, seed: int = 0, tie: bool = False):
 
 def tiny_llama3(folder, seed: int = 0, tie: bool = True, max_positions: int = 128):
     """(torch LlamaForCausalLM with llama3 rope scaling, special ids) saved with its tokenizer."""
-    import torch
+    torch = _reference("torch")
+    _reference("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     tok, ids = llama3_tokenizer()

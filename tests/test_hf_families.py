@@ -122,6 +122,7 @@ def qwen2_peft(family, tmp_path_factory):
     import copy
 
     import torch
+    pytest.importorskip("peft", reason="HF reference: peft not installed (pip install -e '.[test]')")
     from peft import LoraConfig, get_peft_model
     f = family("qwen2")
     torch.manual_seed(5)

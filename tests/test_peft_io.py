@@ -12,12 +12,13 @@ from preft_jax.adapters.peft_io import (POLICY_NAME, AdapterFileNotFoundError, A
                                         UnsupportedAdapterError, load_peft_lora, save_peft_lora)
 from preft_jax.config import tiny_config
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+torch = pytest.importorskip("torch", reason="HF reference: torch not installed (pip install -e '.[test]')")
+transformers = pytest.importorskip("transformers", reason="HF reference: transformers not installed (pip install -e '.[test]')")
+peft = pytest.importorskip("peft", reason="HF reference: peft not installed (pip install -e '.[test]')")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")   # transformers deprecation noise
+pytestmark = [pytest.mark.hf_reference,
+              pytest.mark.filterwarnings("ignore::FutureWarning")]   # transformers deprecation noise
 
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _PARENT = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn",

@@ -10,6 +10,7 @@ from preft_jax.generation import ModelRunner, sequence_logits
 from preft_jax.model import Llama
 
 pytestmark = pytest.mark.hf_reference
+pytest.importorskip("peft", reason="HF reference: peft not installed (pip install -e '.[test]')")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -30,7 +30,7 @@ def _png_shape(path):
 
 
 def test_benchmark_table_to_png(tmp_path):
-    from serve.plots import rows_from_markdown, throughput_plot
+    from experiments.serve_plots import rows_from_markdown, throughput_plot
     base, rows = rows_from_markdown(MD)
     assert base == 114.4 and sorted(rows) == [1, 8]
     assert rows[1]["PreFT-LoRA"] == (114.2, 114.2, 114.2)                 # no per-group row: no whisker
@@ -42,7 +42,7 @@ def test_benchmark_table_to_png(tmp_path):
 
 
 def test_sft_metrics_to_png(tmp_path):
-    from train.plots import load_sft_metrics, sft_loss_plot
+    from experiments.sft_plots import load_sft_metrics, sft_loss_plot
     rng = np.random.default_rng(0)
     for name in ("lora-r4-prefill", "lora-r4-all", "reft-r8-prefill"):
         rows = [{"step": s, "loss": float(1 / s + rng.random() * 0.01)} for s in range(1, 6)]

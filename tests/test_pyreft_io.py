@@ -25,7 +25,8 @@ from preft_jax.generation import ModelRunner, sequence_logits
 from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams
 
-torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.hf_reference
+torch = pytest.importorskip("torch", reason="HF reference: torch not installed (pip install -e '.[test]')")
 _logits = jax.jit(sequence_logits, static_argnums=0)
 
 
@@ -91,7 +92,7 @@ def test_positions_strings():
 
 
 # ------------------------------------------------------------------------------- tiny Llama parity
-pyreft = pytest.importorskip("pyreft")
+pyreft = pytest.importorskip("pyreft", reason="pyreft reference not installed (scripts/install.sh)")
 
 
 def _reft_model(hf_model, kind, layers, rank, seed):

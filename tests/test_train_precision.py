@@ -4,7 +4,7 @@ tracks the float32 run's within a stated band.
 Band (measured on this tiny model, LoRA rank 4, 20 steps, lr 2e-2, 16 x 16-token batches): the
 largest per-step |loss_bf16 - loss_f32| was 0.032 (LoRA) and 0.018 (LoReFT) on losses from 13.5 down
 to 0.7; the test allows 0.08 per step and 0.03 on the mean over steps. On SmolLM2-135M see
-`python -m train.precision_check` and docs/training.md."""
+`python -m experiments.precision_check` and docs/training.md."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""Frozen, validated configuration shared by the SFT and GRPO trainers (and `train.experiment`).
+"""Frozen, validated configuration shared by the SFT and GRPO trainers (and `experiments.prefill_vs_all`).
 
     TrainerConfig                      the loop: steps, seed, logging/eval cadence, logit chunking
     +- adapter:    AdapterSpec         lora | reft, rank, mode (prefill | all | activated), alpha, targets,

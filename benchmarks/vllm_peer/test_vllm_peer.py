@@ -81,7 +81,7 @@ def _gone(pid: int) -> bool:
 
 # ------------------------------------------------------------------------------------------ workload
 def test_workload_follows_serve_benchmark_rules():
-    """Prompts and adapter picks are the ones serve.benchmark draws (recomputed here by its rule)."""
+    """Prompts and adapter picks are the ones experiments.serve_benchmark draws (recomputed here by its rule)."""
     w = Workload(n_requests=7, prompt_len=5, n_adapters=8, seed=0, vocab_size=1000)
     rng = np.random.default_rng(0)
     want_prompts = [rng.integers(0, 1000, 5).tolist() for _ in range(7)]

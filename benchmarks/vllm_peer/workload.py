@@ -1,6 +1,6 @@
 """The benchmark workload, shared by the vLLM worker and by callers (numpy only, no vLLM, no JAX).
 
-The rules match `serve.benchmark` (preft_jax's own serving benchmark), so both engines can serve
+The rules match `experiments.serve_benchmark` (preft_jax's own serving benchmark), so both engines can serve
 token-for-token the same requests:
 
     prompts  = default_rng(seed).integers(0, vocab_size, prompt_len) per request, in order

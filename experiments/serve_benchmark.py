@@ -1,6 +1,6 @@
 """Serving throughput: base vs PreFT-LoRA vs PreFT-ReFT vs all-token LoRA, 1..512 adapters, one run.
 
-    python -m serve.benchmark [--model tiny|PATH] [--adapters 1,8,64,512] [--slots 16]
+    python -m experiments.serve_benchmark [--model tiny|PATH] [--adapters 1,8,64,512] [--slots 16]
                               [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--no-hf]
 
 Every variant serves the same requests (same prompts, greedy, fixed max tokens, no early stop)
@@ -231,7 +231,7 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip the HF PEFT peer")
     ap.add_argument("--mesh", default=None, metavar="data=D,tensor=T",
                     help="shard the engine over every device (see docs/serving.md, tensor-parallel serving)")
-    ap.add_argument("--plot", metavar="PNG", default=None, help="also write throughput vs N per variant (serve/plots.py)")
+    ap.add_argument("--plot", metavar="PNG", default=None, help="also write throughput vs N per variant (experiments/serve_plots.py)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     set_quiet(args.quiet)
@@ -276,7 +276,7 @@ def main(argv=None):
           f"min {min(base.rates):.1f}, max {max(base.rates):.1f}\n")
     print("\n".join(table(base, rows)))
     if args.plot:
-        from serve.plots import throughput_plot
+        from experiments.serve_plots import throughput_plot
         throughput_plot(base.median, {n: {k: (v.median, min(v.rates), max(v.rates)) for k, v in res.items()}
                                       for n, res in rows}, args.plot)
     if hf is not None:

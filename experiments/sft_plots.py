@@ -1,8 +1,8 @@
 """SFT loss curves per adapter / rank and mode, as a PNG (matplotlib), from an experiment's saved
-metrics (`<out>/sft-<adapter>-r<rank>-<mode>.jsonl`, written by train/experiment.py).
+metrics (`<out>/sft-<adapter>-r<rank>-<mode>.jsonl`, written by experiments/prefill_vs_all.py).
 
-    python -m train.experiment --out runs/experiment --plot docs/sft_loss.png   # after (or instead of) a run
-    python -m train.plots runs/experiment docs/sft_loss.png
+    python -m experiments.prefill_vs_all --out runs/experiment --plot docs/sft_loss.png   # after (or instead of) a run
+    python -m experiments.sft_plots runs/experiment docs/sft_loss.png
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Measure how a bfloat16 frozen base changes an SFT loss curve against float32 (same data, seed, steps).
 
-    python -m train.precision_check --steps 20 --adapter lora --rank 8 [--model PATH] [--out runs/precision.json]
+    python -m experiments.precision_check --steps 20 --adapter lora --rank 8 [--model PATH] [--out runs/precision.json]
 
 Prints (and writes) both curves and the per-step |difference| (max, mean, at the end). The adapter
 and the optimizer state are float32 in both runs; only the base weights and activations change.

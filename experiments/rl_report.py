@@ -1,4 +1,4 @@
-"""The RL parity study's report: a markdown table and PNG plots from the unit logs (train.rl_study).
+"""The RL parity study's report: a markdown table and PNG plots from the unit logs (experiments.rl_study).
 
 Reads `<out>/study.json`, `<out>/base_eval.json` and every unit's `metrics.jsonl`, `evals.jsonl` and
 `status.json`; writes `results.md`, `rl_reward.png` (rollout reward per step, moving average, mean
@@ -13,14 +13,14 @@ import pathlib
 
 import numpy as np
 
-from train.rl_study import load_study, read_status, unit_name, _read_jsonl
+from experiments.rl_folder import load_study, read_jsonl, read_status, unit_name
 
 WINDOW = 10          # moving-average window of the per-step curves (steps)
 
 
 def _unit(out: pathlib.Path, arm, seed) -> dict:
     folder = out / "units" / unit_name(arm, seed)
-    return {"seed": seed, "rows": _read_jsonl(folder / "metrics.jsonl"), "evals": _read_jsonl(folder / "evals.jsonl"),
+    return {"seed": seed, "rows": read_jsonl(folder / "metrics.jsonl"), "evals": read_jsonl(folder / "evals.jsonl"),
             "status": read_status(folder)}
 
 

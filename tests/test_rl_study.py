@@ -10,10 +10,11 @@ from preft_jax.config import tiny_config
 from preft_jax.generation import ModelRunner
 from preft_jax.model import Llama
 from reference_llama import random_params
+from experiments.rl_folder import Arm, StudyConfig, StudyConfigError, config_diff
+from experiments.rl_report import write_report
+from experiments.rl_study import StudyData, run_study
 from train.config import OptimizerConfig
 from train.grpo import GRPOConfig
-from train.rl_report import write_report
-from train.rl_study import Arm, StudyConfig, StudyConfigError, StudyData, config_diff, run_study
 
 CFG = tiny_config()
 
@@ -87,7 +88,7 @@ def test_diverging_arm_is_reported_not_dropped(runner, tmp_path):
 def test_report_from_fake_logs(tmp_path):
     """The report renders from logs alone (no model): partial progress, seed spread, eval table, PNGs."""
     sc = _config(arms=(Arm("a", mode="all"), Arm("b")), seeds=(0, 1), steps=40, eval_every=20)
-    from train.rl_study import claim_folder, write_status
+    from experiments.rl_folder import claim_folder, write_status
     claim_folder(tmp_path, sc)
     (tmp_path / "base_eval.json").write_text(json.dumps({"greedy_acc": 0.125, "greedy_len": 9.0}))
     rng = np.random.default_rng(0)

@@ -1,7 +1,7 @@
 """Throughput vs number of adapters, per variant, as a PNG (matplotlib; `pip install matplotlib`).
 
-    python -m serve.benchmark ... --plot docs/benchmark_throughput.png     # from a run
-    python -m serve.plots docs/benchmarks.md docs/benchmark_throughput.png  # from the tables in the doc
+    python -m experiments.serve_benchmark ... --plot docs/benchmark_throughput.png     # from a run
+    python -m experiments.serve_plots docs/benchmarks.md docs/benchmark_throughput.png  # from the tables in the doc
 
 `throughput_plot(base, rows, path)`: `rows` = {N: {variant: (median, min, max)}}; the base model is a
 horizontal line (its median over the N groups). From a markdown file, the first table whose header

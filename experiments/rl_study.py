@@ -1,7 +1,7 @@
 """The RL parity study (issue 14): GRPO of several adapter arms x seeds on one verifiable task.
 
-    python -m train.experiment --rl-study --out runs/rl_study [--steps 150 --seeds 2 --chunk 25]
-    python -m train.experiment --rl-study --out runs/rl_study --report --doc-dir docs/rl_study
+    python -m experiments.rl_study --out runs/rl_study [--steps 150 --seeds 2 --chunk 25]
+    python -m experiments.rl_study --out runs/rl_study --report --doc-dir docs/rl_study
 
 Every (arm, seed) is a resumable unit in `<out>/units/<arm>-s<seed>/`: an Orbax checkpoint (the
 shared `Trainer` loop resumes from it, refusing another model or adapter), `metrics.jsonl` (one row
@@ -19,170 +19,30 @@ A unit whose loss, gradient norm, KL or reward turns non-finite stops there and 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import hashlib
 import json
 import logging
 import math
 import pathlib
-import platform
 import time
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
-from train.config import AdapterSpec, CheckpointConfig, JsonConfig, OptimizerConfig
-from train.grpo import GRPOConfig, GRPOTrainer
+from experiments.rl_folder import (Arm, StudyConfig, StudyConfigError, claim_folder, read_status, truncate_jsonl,
+                                   unit_name, write_status)
+from experiments.rl_report import write_report
+from preft_jax.progress import set_quiet
+from train.grpo import GRPOTrainer
 
-log = logging.getLogger("train.rl_study")
-
-
-class StudyConfigError(ValueError):
-    """An output folder holds a study with another config."""
+log = logging.getLogger("experiments.rl_study")
 
 
 class Diverged(RuntimeError):
     def __init__(self, step: int, what: str):
         super().__init__(f"diverged at step {step} ({what} is not finite)")
         self.step, self.what = step, what
-
-
-@dataclasses.dataclass(frozen=True)
-class Arm(JsonConfig):
-    name: str
-    kind: str = "lora"               # lora | reft
-    rank: int = 8
-    mode: str = "prefill"            # prefill | all
-    lr: float = 1e-3
-    reft_kind: str = "direft"
-
-    def __post_init__(self):
-        if not self.name or any(c in self.name for c in "/\\ "):
-            raise ValueError(f"arm name must be a non-empty word usable as a folder name, got {self.name!r}")
-        AdapterSpec(kind=self.kind, rank=self.rank, mode=self.mode, reft_kind=self.reft_kind)   # validates
-        OptimizerConfig(lr=self.lr)
-
-    def adapter(self) -> AdapterSpec:
-        return AdapterSpec(kind=self.kind, rank=self.rank, mode=self.mode, reft_kind=self.reft_kind)
-
-
-ARMS = (Arm("all-lora-r8", mode="all"),
-        Arm("prefill-lora-r8"),
-        Arm("prefill-lora-r32", rank=32),
-        Arm("prefill-lora-r8-lr3e-3", lr=3e-3),
-        Arm("prefill-direft-r8", kind="reft", lr=2e-3))
-
-
-@dataclasses.dataclass(frozen=True)
-class StudyConfig(JsonConfig):
-    """What the study trains and measures (everything that changes results; see module doc)."""
-    arms: tuple[Arm, ...] = ARMS
-    seeds: tuple[int, ...] = (0, 1)
-    steps: int = 150
-    eval_every: int = 50
-    n_train: int = 256
-    n_eval: int = 96
-    max_ops: int = 1                  # arithmetic with 1..max_ops operations
-    data_seed: int = 1
-    grpo: GRPOConfig = GRPOConfig(prompts_per_step=2, group_size=4, max_new_tokens=20, temperature=0.7,
-                                  kl_coef=0.04, clip_eps=0.2, log_every=25,
-                                  optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0))
-
-    def __post_init__(self):
-        if not self.arms or not self.seeds:
-            raise ValueError("a study needs at least one arm and one seed")
-        names = [a.name for a in self.arms]
-        if len(set(names)) != len(names):
-            raise ValueError(f"arm names must be unique, got {names}")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must be unique, got {self.seeds}")
-        for k in ("steps", "eval_every", "n_train", "n_eval", "max_ops"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"StudyConfig.{k} must be >= 1, got {getattr(self, k)}")
-
-    def unit_config(self, arm: Arm, seed: int) -> GRPOConfig:
-        return dataclasses.replace(self.grpo, adapter=arm.adapter(), steps=self.steps, seed=seed,
-                                   optimizer=dataclasses.replace(self.grpo.optimizer, lr=arm.lr),
-                                   checkpoint=CheckpointConfig(every=0, max_to_keep=1))
-
-    def units(self) -> list[tuple[Arm, int]]:
-        return [(a, s) for a in self.arms for s in self.seeds]
-
-    def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def unit_name(arm: Arm, seed: int) -> str:
-    return f"{arm.name}-s{seed}"
-
-
-def _flat(d, prefix=""):
-    out = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-    elif isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
-        for i, v in enumerate(d):
-            out.update(_flat(v, f"{prefix}{i}."))
-    else:
-        out[prefix[:-1]] = d
-    return out
-
-
-def config_diff(old: dict, new: dict) -> list[str]:
-    """'field: old -> new' for every differing (flattened) field."""
-    a, b = _flat(old), _flat(new)
-    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in sorted(set(a) | set(b))
-            if a.get(k, "<absent>") != b.get(k, "<absent>")]
-
-
-def claim_folder(out: pathlib.Path, sc: StudyConfig) -> None:
-    """Writes `<out>/study.json` or checks that the one there has this config."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "study.json"
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if old.get("config_hash") != sc.hash():
-            diff = config_diff(old.get("config", {}), sc.to_json())
-            raise StudyConfigError(
-                f"{out} holds a study with another config (hash {old.get('config_hash')} vs {sc.hash()}); "
-                f"differing fields: {'; '.join(diff) or '(none: the stored hash is stale)'}. Results of different "
-                f"configs are not mixed: use another --out, or rerun with the stored config's flags.")
-        return
-    path.write_text(json.dumps({"config": sc.to_json(), "config_hash": sc.hash(), "created": time.time(),
-                                "host": {"platform": platform.platform(), "jax": jax.__version__,
-                                         "devices": [str(d) for d in jax.devices()]}}, indent=1))
-
-
-def load_study(out: pathlib.Path) -> tuple[StudyConfig, dict]:
-    meta = json.loads((out / "study.json").read_text())
-    return StudyConfig.from_json(meta["config"]), meta
-
-
-# ----------------------------------------------------------------------------------- unit files
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-
-
-def _truncate_jsonl(path: pathlib.Path, position: int) -> None:
-    rows = _read_jsonl(path)
-    keep = [r for r in rows if r["step"] <= position]
-    if len(keep) != len(rows):
-        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
-
-
-def read_status(folder: pathlib.Path) -> dict:
-    p = folder / "status.json"
-    return json.loads(p.read_text()) if p.is_file() else {"state": "pending", "steps_done": 0, "seconds": 0.0}
-
-
-def write_status(folder: pathlib.Path, status: dict) -> None:
-    tmp = folder / "status.json.tmp"
-    tmp.write_text(json.dumps(status, indent=1))
-    tmp.replace(folder / "status.json")
 
 
 _FINITE_KEYS = ("loss", "grad_norm", "kl", "reward_mean")
@@ -302,7 +162,7 @@ def _advance(out: pathlib.Path, units: _Units, arm: Arm, seed: int, target: int,
     tr = units.trainer(arm, seed)
     t0 = time.time()
     evals = folder / "evals.jsonl"
-    _truncate_jsonl(evals, status["steps_done"])          # evals of steps a crashed pass did not checkpoint
+    truncate_jsonl(evals, status["steps_done"])          # evals of steps a crashed pass did not checkpoint
     try:
         state, hist = tr.fit(data.prompts, data.answers, checkpoint_dir=folder / "ckpt",
                              metrics_path=folder / "metrics.jsonl", until=target, callbacks=(nan_guard,))
@@ -333,9 +193,19 @@ def study_config_from_args(a) -> StudyConfig:
                                seeds=tuple(range(a.seeds)) if a.seeds else d.seeds)
 
 
-def main_study(a) -> None:
-    """`python -m train.experiment --rl-study ...` (see train.experiment)."""
-    from train.rl_report import write_report
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/rl_study", help="the study folder (created, or resumed)")
+    p.add_argument("--report", action="store_true", help="only render the report of --out")
+    p.add_argument("--doc-dir", default=None, help="with --report: folder for results.md + PNGs "
+                   "(default <out>/report)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per unit (default 150)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 2)")
+    p.add_argument("--chunk", type=int, default=25, help="steps per unit per round-robin pass")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    a = p.parse_args(argv)
+    set_quiet(a.quiet)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = pathlib.Path(a.out)
     if a.report:
         write_report(out, pathlib.Path(a.doc_dir) if a.doc_dir else out / "report")
@@ -356,3 +226,7 @@ def main_study(a) -> None:
     for k, s in statuses.items():
         log.info("%s: %s", k, s)
     write_report(out, out / "report")
+
+
+if __name__ == "__main__":
+    main()
