@@ -202,7 +202,8 @@ def write_report(out: str | pathlib.Path, folder: str | pathlib.Path) -> str:
     """Writes results.md + the PNGs into `folder`; returns the markdown."""
     out, folder = pathlib.Path(out), pathlib.Path(folder)
     if not (out / "study.json").is_file():
-        raise FileNotFoundError(f"{out} holds no study (no study.json); run --rl-study --out {out} first")
+        raise FileNotFoundError(f"{out} holds no study (no study.json); "
+                                f"run `python -m experiments.rl_study --out {out}` first")
     folder.mkdir(parents=True, exist_ok=True)
     s = summarize(out)
     sc = s["config"]

@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-importlinter_api = pytest.importorskip("importlinter.api", reason="import-linter is not installed (pip install import-linter)")
+importlinter_api = pytest.importorskip("importlinter.api",
+                                       reason="import-linter is not installed (pip install -e '.[test]')")
 grimp = pytest.importorskip("grimp", reason="grimp (installed with import-linter) is not installed")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

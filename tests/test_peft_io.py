@@ -13,7 +13,8 @@ from preft_jax.adapters.peft_io import (POLICY_NAME, AdapterFileNotFoundError, A
 from preft_jax.config import tiny_config
 
 torch = pytest.importorskip("torch", reason="HF reference: torch not installed (pip install -e '.[test]')")
-transformers = pytest.importorskip("transformers", reason="HF reference: transformers not installed (pip install -e '.[test]')")
+transformers = pytest.importorskip("transformers",
+                                   reason="HF reference: transformers not installed (pip install -e '.[test]')")
 peft = pytest.importorskip("peft", reason="HF reference: peft not installed (pip install -e '.[test]')")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
