@@ -87,6 +87,7 @@ def real(default_model):
     return runners, tok, ids, lps
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_bf16_logits_within_tolerance_of_float32(real):
     _, _, ids, lps = real
@@ -96,6 +97,7 @@ def test_bf16_logits_within_tolerance_of_float32(real):
                                                                                          kl.mean(), agree)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.hf_reference
 def test_bf16_no_further_from_float32_than_transformers_bf16(real, default_gguf_path, hf_reference):
@@ -114,6 +116,7 @@ def test_bf16_no_further_from_float32_than_transformers_bf16(real, default_gguf_
         assert ours <= 1.25 * theirs, (ours, theirs)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_bf16_greedy_equals_float32_on_hf_parity_prompts(real):
     runners, tok, ids, _ = real

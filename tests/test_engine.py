@@ -88,6 +88,7 @@ def _greedy_replays(prompt, tokens, name, mode):
     return pred.tolist() == list(tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_continuous_batching_equals_each_request_alone(runner, ref_banks, mode):
     eng = _engine(runner, mode)
@@ -120,6 +121,7 @@ def test_continuous_batching_equals_each_request_alone(runner, ref_banks, mode):
         assert _alone(runner, ref_banks, "all", req.prompt_ids, name, m) != req.result.tokens
 
 
+@pytest.mark.slow
 def test_stop_token_length_and_cache_limit(runner, ref_banks):
     eng = _engine(runner, "prefill")
     prompt = [5, 6, 7]
@@ -206,6 +208,7 @@ def test_background_loop_streams_and_cancels(runner, ref_banks):
         eng.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_real_model_stop_strings_and_text(default_model):
     cfg, params, tok = default_model

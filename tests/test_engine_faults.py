@@ -84,6 +84,7 @@ def _alone(model, prompt, adapter, n):
     return eng.generate([(prompt, adapter, _sp(n))])[0].tokens
 
 
+@pytest.mark.slow
 def test_poisoned_prefill_fails_only_its_request(model):
     good = [[3, 4, 5], [9, 8, 7, 6]]
     want = [_alone(model, p, "a", 6) for p in good]
@@ -116,6 +117,7 @@ def test_prefill_failure_that_consumes_the_cache_recomputes_the_running(model):
     assert eng.scheduler.preemptions >= 1 and eng.registry.in_use("a") == 0
 
 
+@pytest.mark.slow
 def test_decode_failure_fails_running_requests_only(model):
     eng, faults = _engine(model, max_num_seqs=2, max_prefill_seqs=2)
     r1, r2 = eng.submit([3, 4], "a", _sp(8)), eng.submit([5, 6], None, _sp(8))

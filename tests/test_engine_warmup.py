@@ -18,6 +18,8 @@ from reference_llama import random_params
 from serve.engine import Engine, EngineConfig
 from serve.registry import AdapterRegistry, with_policy
 
+pytestmark = pytest.mark.slow      # whole module; README "Tests" names where its fast path is covered
+
 CFG = tiny_config()
 NO_STOP = (-1,)
 ADAPTERS = {"a": random_lora(CFG, 21), "b": random_reft(CFG, 22)}

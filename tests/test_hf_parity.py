@@ -35,6 +35,7 @@ def test_logits_match_transformers(runner, default_model, hf_reference):
         assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.98
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_no_cache_recompute_and_hf(runner, default_model, hf_reference):
     import torch
     _, _, tok = default_model

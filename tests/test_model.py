@@ -96,7 +96,8 @@ def test_top_p_and_top_k_masks():
     from preft_jax.sampling import sample
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 2))
     keys = jax.random.split(jax.random.key(0), 200)
-    picks = np.stack([np.asarray(sample(logits, k, jnp.ones(2), jnp.asarray([0.7, 1.0]), jnp.asarray([0, 1])))
+    jsample = jax.jit(sample)       # compiled once: eager, each call retraces its lax.cond branches (minutes)
+    picks = np.stack([np.asarray(jsample(logits, k, jnp.ones(2), jnp.asarray([0.7, 1.0]), jnp.asarray([0, 1])))
                       for k in keys])
     assert set(picks[:, 0].tolist()) == {0, 1}      # top-p 0.7 keeps 0.5 + 0.3
     assert set(picks[:, 1].tolist()) == {0}         # top-k 1

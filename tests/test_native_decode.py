@@ -228,6 +228,7 @@ def _engine_outputs(cpu_decode, mode):
     return eng, [list(r.tokens) for r in reqs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_engine_outputs_native_equal_xla(mode):
     """Mixed adapters and base requests, preemption forced. PreFT: every decode call one native call;

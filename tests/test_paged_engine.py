@@ -65,6 +65,7 @@ def _run(eng, reqs):
     return [r.tokens for r in eng.generate([(p, a, _sp(m)) for p, a, m in reqs])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_preemption_by_recompute_keeps_outputs(runner, mode):
     reqs = _requests(1)
@@ -76,6 +77,7 @@ def test_preemption_by_recompute_keeps_outputs(runner, mode):
     assert eng.pool.num_available == eng.pool.capacity      # nothing leaked
 
 
+@pytest.mark.slow
 def test_chunked_prefill_equals_whole_prompts_and_prefix_hits_equal_misses(runner):
     reqs = _requests(2)
     whole = _run(_engine(runner, max_num_batched_tokens=64, enable_prefix_cache=False), reqs)
@@ -88,6 +90,7 @@ def test_chunked_prefill_equals_whole_prompts_and_prefix_hits_equal_misses(runne
         assert toks == _alone(runner, p, a, m, "prefill")
 
 
+@pytest.mark.slow
 def test_prefix_sharing_across_adapters_only_when_adapter_free(runner):
     rng = np.random.default_rng(3)
     system = rng.integers(0, CFG.vocab_size, 12).tolist()   # 3 full blocks of 4
@@ -126,6 +129,7 @@ def test_reloaded_adapter_with_new_weights_never_hits_stale_blocks(runner):
     assert second == _alone(runner, p, "a", 6, "prefill", new) and second != first
 
 
+@pytest.mark.slow
 def test_device_tiering_equals_everything_resident(runner):
     reqs = _requests(5, n=8)
     resident = _run(_engine(runner, capacity=8), reqs)
@@ -136,6 +140,7 @@ def test_device_tiering_equals_everything_resident(runner):
     assert _run(eng, reqs) == resident                       # evicted and reloaded: identical
 
 
+@pytest.mark.slow
 def test_prefill_rows_are_bucketed_so_one_prompt_computes_one_row(runner):
     eng = _engine(runner, max_num_seqs=8, max_prefill_seqs=6, max_num_batched_tokens=128)
     assert eng.prefill_row_buckets == [1, 4, 6]
@@ -150,6 +155,7 @@ def test_prefill_rows_are_bucketed_so_one_prompt_computes_one_row(runner):
         assert toks == _alone(runner, p, a, m, "prefill")
 
 
+@pytest.mark.slow
 def test_preft_holds_a_device_slot_only_while_prefilling(runner):
     """One device slot, three adapters: PreFT decodes all three at once; all-token runs one at a time."""
     for mode, most in (("prefill", 3), ("all", 1)):
@@ -184,6 +190,7 @@ def test_waiting_is_bounded_when_adapters_compete(runner):
     assert late.result.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_adapter_dir_tier_found_by_name_changed_and_broken_folders(runner, tmp_path):
     root = tmp_path / "adapters"
     for i, name in enumerate(("x0", "x1", "x2")):

@@ -79,6 +79,7 @@ def _run(runner, bank, seqs, rng, chunk_sizes):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_paged_chunks_match_full_recompute(mode):
     _check_against_full_recompute(mode, chunk_sizes=(1, 1, 3, 8))

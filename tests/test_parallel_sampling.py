@@ -69,6 +69,7 @@ def _drain(eng):
     raise AssertionError("engine did not drain")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_one_prefill_shared_blocks_copy_on_write_and_replay(runner, mode):
     eng = _engine(runner, mode)
@@ -103,6 +104,7 @@ def _run_n(eng, prompt, sp, n, adapter="a"):
     return reqs
 
 
+@pytest.mark.slow
 def test_block_aligned_prompt_and_preemption_give_the_same_tokens(runner):
     prompt = PROMPT[:8]                              # block aligned: no partial block to copy
     sp = _sp(20, seed=11)
@@ -157,6 +159,7 @@ def test_cancelling_the_first_before_its_prefill_ends_all_and_bad_n_is_refused(r
     assert not eng.busy and eng.registry.in_use("a") == 0
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_model_log_softmax(runner):
     """Engine logprob entries (sampled token + top k, and prompt tokens) == log_softmax of the dense
     reference's raw logits (not of the temperature-scaled distribution)."""

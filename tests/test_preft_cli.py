@@ -17,6 +17,7 @@ def run_cli(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_chat_bf16_xla_backend(default_gguf_path):
     r = run_cli("What is the capital of France?", "--max-tokens", "12", "--backend", "xla", "--dtype", "bfloat16")

@@ -262,6 +262,7 @@ def test_unsupported_pyreft_folders_are_named(tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------------- real model
+@pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.hf_reference
 def test_pyreft_loreft_on_smollm2_greedy(default_model, hf_reference, tmp_path):

@@ -41,6 +41,7 @@ def _config(**kw):
     return StudyConfig(**{**dict(arms=arms, seeds=(0,), steps=3, eval_every=2, n_train=6, n_eval=4, grpo=grpo), **kw})
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_config_and_continues_same(runner, tmp_path):
     sc = _config()
     st = run_study(tmp_path, sc, CFG, runner, _data(), chunk=2, stop_after=0.0)     # claims, base eval only
@@ -60,6 +61,7 @@ def test_resume_refuses_changed_config_and_continues_same(runner, tmp_path):
     assert [e["step"] for e in evals] == [2, 3]
 
 
+@pytest.mark.slow
 def test_chunked_run_equals_one_pass(runner, tmp_path):
     """Units interleaved in chunks of 1 step (resumed from checkpoints) = one uninterrupted pass."""
     sc = _config(arms=(Arm("pre-r4", rank=4),))
@@ -72,6 +74,7 @@ def test_chunked_run_equals_one_pass(runner, tmp_path):
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_diverging_arm_is_reported_not_dropped(runner, tmp_path):
     sc = _config(arms=(Arm("pre-r4", rank=4), Arm("boom", rank=4, mode="all", lr=1e35)), steps=4)
     st = run_study(tmp_path, sc, CFG, runner, _data(), chunk=2)

@@ -88,14 +88,15 @@ def test_per_row_keys_follow_the_filtered_softmax_and_ignore_batch_mates():
     mates[0] = logits
     kd5, ctr = np.stack([seed_key_data(7, i) for i in range(5)]), np.arange(5, dtype=np.int32) + 3
     temps, ps, ks = jnp.asarray([1.0, 0.0, 2.0, 0.5, 1.0]), jnp.asarray([0.9, 1, 1, 0.5, 1]), jnp.asarray([0, 0, 3, 0, 0])
-    together = np.asarray(sample(jnp.asarray(mates), row_keys(kd5, ctr), temps, ps, ks))
+    js = jax.jit(sample)          # compiled per shape: eager, each call retraces its lax.cond branches
+    together = np.asarray(js(jnp.asarray(mates), row_keys(kd5, ctr), temps, ps, ks))
     for r in range(5):
-        alone = sample(jnp.asarray(mates[r:r + 1]), row_keys(kd5[r:r + 1], ctr[r:r + 1]), temps[r:r + 1],
+        alone = js(jnp.asarray(mates[r:r + 1]), row_keys(kd5[r:r + 1], ctr[r:r + 1]), temps[r:r + 1],
                        ps[r:r + 1], ks[r:r + 1])
         assert int(alone[0]) == together[r]
     # another token index or another seed is another draw (over 64 draws, not all equal)
-    a = [int(sample(jnp.asarray(logits[None], jnp.float32), row_keys(seed_key_data(7)[None], np.asarray([i])),
-                    jnp.ones(1), jnp.ones(1))[0]) for i in range(64)]
+    a = [int(js(jnp.asarray(logits[None], jnp.float32), row_keys(seed_key_data(7)[None], np.asarray([i])),
+                jnp.ones(1), jnp.ones(1))[0]) for i in range(64)]
     assert len(set(a)) > 1
 
 

@@ -17,6 +17,7 @@ def run_cli(*args, timeout=300, **env_extra):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_generate_real_model(default_gguf_path):
     r = run_cli("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12")
@@ -39,6 +40,7 @@ def test_missing_model_exits_2(tmp_path):
     assert r.returncode == 2 and "model not found" in r.stderr
 
 
+@pytest.mark.slow
 def test_mesh_flag(tmp_path):
     """--mesh shards generation over every device (8 fake CPU devices: same greedy text as unsharded);
     a mesh that does not match the device count, or a malformed one, exits 2."""
@@ -59,6 +61,7 @@ def test_bad_adapter_spec_exits_2():
     assert r.returncode == 2 and "NAME=FOLDER" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_generate_with_adapter_matches_reference(default_model, tmp_path):
     """`generate --adapter ft=FOLDER` (a PEFT LoRA folder) prints what ModelRunner.generate gives alone."""
@@ -84,6 +87,7 @@ def test_generate_with_adapter_matches_reference(default_model, tmp_path):
     assert adapted != runner.generate([ids], sp)[0].tokens      # the adapter changes the answer
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_generate_bf16_on_xla_backend(default_gguf_path):
     r = run_cli("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12",

@@ -81,6 +81,7 @@ def reference(stack, prompt_ids, adapter, max_tokens):
 PROMPT = "hello world"
 
 
+@pytest.mark.slow
 def test_completion_matches_reference_and_stream(stack):
     c = stack["client"]
     outs = {}
@@ -208,6 +209,7 @@ def test_failures_do_not_affect_running_requests(stack):
     assert "lora-a" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def _samples(text: str) -> dict:
     """{(sample name, sorted labels): value} of a Prometheus text scrape, parsed by prometheus_client."""

@@ -231,6 +231,7 @@ def _no_leak(server, name="lora-a"):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow
 def test_server_matches_an_in_process_reference(server, alone):
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
@@ -401,6 +402,7 @@ def test_health_metrics_and_memory(server, alone):
     assert server.rss_mb() - server.rss_start < 300, (server.rss_start, server.rss_mb())
 
 
+@pytest.mark.slow
 def test_queue_limit_api_key_deadline_and_sigterm(adapter_root, tmp_path):
     srv = Server(["--max-num-seqs", "1", "--max-model-len", "512", "--max-prefill-seqs", "1",
                   "--max-num-batched-tokens", "32", "--max-device-adapters", "1", "--lora-rank", "4", "--block-size", "64",

@@ -62,6 +62,7 @@ def _legacy_id(token: str) -> int:
     return b[0]
 
 
+@pytest.mark.slow
 def test_n_with_seed_is_reproducible_and_independent_of_batch_mates(client):
     kw = dict(model="tiny", prompt="the quick brown fox", max_tokens=10, temperature=1.0, n=3, seed=1234)
     first = client.completions.create(**kw)
@@ -91,6 +92,7 @@ def test_greedy_n_gives_identical_choices(client):
     assert r.choices[0].message.content == r.choices[1].message.content
 
 
+@pytest.mark.slow
 def test_chat_logprobs_equal_the_model_log_softmax(client, reference):
     r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=1.3, n=2, seed=4,
                                        logprobs=True, top_logprobs=5)
@@ -109,6 +111,7 @@ def test_chat_logprobs_equal_the_model_log_softmax(client, reference):
     assert no.choices[0].logprobs.content[0].top_logprobs == []
 
 
+@pytest.mark.slow
 def test_legacy_logprobs_with_echo_equal_the_model_log_softmax(client, reference):
     prompt = "hello world"
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.9, seed=1, echo=True,

@@ -121,6 +121,7 @@ def tiny():
     return run_on_fake_devices(TINY)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_sharded_engine_tokens_equal_unsharded(tiny, mode):
     r = tiny[mode]
@@ -159,6 +160,7 @@ def smollm(default_gguf_path):
     return run_on_fake_devices(SMOLLM)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_smollm2_tensor2_replicates_indivisible_heads(smollm):
     r = smollm

@@ -214,6 +214,7 @@ def eight_device_result():
     return run_on_fake_devices(SCRIPT)
 
 
+@pytest.mark.slow
 def test_sharded_sft_step_matches_unsharded(eight_device_result):
     r = eight_device_result
     for adapter in ("lora", "reft"):

@@ -36,6 +36,7 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_resume_is_exact(runner, tmp_path):
     data = _data()
     tc = SFTConfig(adapter=AdapterSpec(rank=2, targets=("q", "v", "down")), steps=4, batch_size=8,
@@ -88,6 +89,7 @@ def _trained(runner, adapter, mode, steps=3):
     return trainer, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter,mode", [("lora", "prefill"), ("lora", "all"), ("reft", "prefill")])
 def test_export_loads_back_with_same_logits(runner, tmp_path, adapter, mode):
     trainer, state = _trained(runner, adapter, mode)

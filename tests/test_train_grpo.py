@@ -110,6 +110,7 @@ def trainers(runner):
             for m in ("prefill", "all")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_rollouts_and_one_update(runner, trainers, mode):
     tr = trainers[mode]
@@ -143,6 +144,7 @@ def test_rollouts_and_one_update(runner, trainers, mode):
         assert float(m["kl"]) > 0                 # second inner step: the policy moved off the base
 
 
+@pytest.mark.slow
 def test_prefill_rollout_decodes_on_base(runner, trainers):
     """Prefill mode: rollouts = adapted prefill + base decode (what serving does); all-token decode
     uses the adapter, and gives other samples."""
@@ -161,12 +163,14 @@ def test_prefill_rollout_decodes_on_base(runner, trainers):
     assert outs["all"][0] != outs["all"][1]
 
 
+@pytest.mark.slow
 def test_fit_logs_rewards(trainers):
     state, hist = trainers["prefill"].fit(_prompts(), [0] * 8)
     assert [h["step"] for h in hist] == [1, 2] and int(state.step) == 2 * GC["inner_steps"]
     assert all(0.0 <= h["reward_mean"] <= 1.0 and np.isfinite(h["loss"]) for h in hist)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_group_generate_equals_repeated_prompts(runner, trainers, mode):
     """generate(group=G) prefills each prompt once and repeats its cache rows: the same samples as
@@ -197,6 +201,7 @@ def test_logprobs_start_skips_only_prompt_entries(runner):
         token_logprobs(runner.graphdef, runner.state, tokens, plen, start=19)
 
 
+@pytest.mark.slow
 def test_one_inner_step_skips_old_pass_same_gradient(runner):
     """inner_steps=1: old = stop_gradient(logp) in the loss gives the loss and gradient of the
     explicit old-policy pass; the batch is trimmed to the step's longest sequence and the vocab

@@ -64,6 +64,7 @@ def _leaves(w):
     return [w.R, w.W, w.b]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lora", "reft"])
 def test_checkpoint_loads_exactly_as_the_exported_folder(runs, kind):
     run, tr = runs[kind]
@@ -82,6 +83,7 @@ def test_checkpoint_loads_exactly_as_the_exported_folder(runs, kind):
     assert any(not np.array_equal(a, b) for a, b in zip(_leaves(older), _leaves(exported)))
 
 
+@pytest.mark.slow
 def test_engine_serves_the_checkpoint_like_the_exported_folder(runner, runs):
     reg = AdapterRegistry(CFG, capacity=4, lora_rank=4, reft_rank=4)
     for kind, (run, _) in runs.items():
