@@ -12,6 +12,8 @@ import pytest
 from fake_devices import run_on_fake_devices
 from jax.sharding import PartitionSpec as P
 
+pytestmark = pytest.mark.slow      # whole module (one 8-fake-device subprocess); README "Tests"
+
 
 COMMON = textwrap.dedent(r"""
     import json, logging, io
@@ -121,7 +123,6 @@ def tiny():
     return run_on_fake_devices(TINY)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_sharded_engine_tokens_equal_unsharded(tiny, mode):
     r = tiny[mode]
@@ -160,7 +161,6 @@ def smollm(default_gguf_path):
     return run_on_fake_devices(SMOLLM)
 
 
-@pytest.mark.slow
 @pytest.mark.real_model
 def test_smollm2_tensor2_replicates_indivisible_heads(smollm):
     r = smollm

@@ -223,6 +223,7 @@ def test_sharded_sft_step_matches_unsharded(eight_device_result):
     assert r["logits_max_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_sharded_placements(eight_device_result):
     r = eight_device_result
     assert r["wq_spec"] == str(P(None, "fsdp", "tensor"))
@@ -234,6 +235,7 @@ def test_sharded_placements(eight_device_result):
     assert r["n_devices"] == 8
 
 
+@pytest.mark.slow
 def test_sharded_grpo_update_matches_unsharded(eight_device_result):
     r = eight_device_result
     # float32 sharded-reduction noise: measured relative differences 1.0e-5 and 1.2e-5 (two adapter layouts)
