@@ -89,6 +89,7 @@ def _hf_base_generate(tiny, prompt):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_peft_alora_generate_parity_mixed_batch(tiny, tmp_path):
     """Three PEFT aLoRA adapters (invocation in the middle of the prompt, at its end, twice in it), a
     PreFT LoRA and the base model, one `generate` batch: each row's greedy tokens equal PEFT's."""
