@@ -231,7 +231,8 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip the HF PEFT peer")
     ap.add_argument("--mesh", default=None, metavar="data=D,tensor=T",
                     help="shard the engine over every device (see docs/serving.md, tensor-parallel serving)")
-    ap.add_argument("--plot", metavar="PNG", default=None, help="also write throughput vs N per variant (experiments/serve_plots.py)")
+    ap.add_argument("--plot", metavar="PNG", default=None,
+                    help="also write throughput vs N per variant (experiments/serve_plots.py)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     set_quiet(args.quiet)
