@@ -1,9 +1,10 @@
 """Engine overhead (issue 12.2): engine tok/s vs a bare loop of the jitted step at the same shapes.
 
     python -m benchmarks.bare_loop [--bench-dir /work/bench_data] [--repeats 3] [--json F]
+    python -m benchmarks.bare_loop --model tiny --rows 64       # host overhead per step, tiny model
 
-Workload: 32 requests x 16 random prompt tokens -> 32 greedy tokens, all submitted at once (the
-vLLM-peer workload, benchmarks/peer.py). Each engine run records every `preft_jax.paged_step` call
+Workload: 32 requests (`--rows`: the decode rows, one per request) x 16 random prompt tokens -> 32
+greedy tokens, all submitted at once (the vLLM-peer workload, benchmarks/peer.py). Each engine run records every `preft_jax.paged_step` call
 the engine makes (its arguments: tokens, PagedBatch, bank, adapter ids, sampling rows). The bare
 loop then replays exactly those calls back to back - the same shapes, the same number of calls,
 inputs already on the device, one final `block_until_ready` - with no scheduler, no block tables
@@ -11,7 +12,10 @@ built, no token handling: the device time the engine cannot go below. Ratio = en
 tok/s (same tokens), per repeat, recorded and replayed in the same repeat.
 
 Variants (round-robin): base and PreFT-LoRA (8 PEFT LoRA folders, rank 16 q/k/v/o, mode prefill),
-each with num_scheduler_steps 4 (the default: pipelined multi-step decode) and 1.
+each with num_scheduler_steps 4 (the default: pipelined multi-step decode) and 1. PreFT-LoRA runs
+when its adapter folders exist (`--adapter-dir`, default <bench-dir>/adapters/r16_qkvo for the
+default model; none for `--model`). "host ms per call" = (engine wall - bare wall) / device calls:
+the engine's host work per step that the device did not hide.
 """
 from __future__ import annotations
 
@@ -106,8 +110,12 @@ def bare_loop(runner, engine, staged, outputs: list | None = None) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench-dir", default="/work/bench_data")
+    ap.add_argument("--model", default=None, help="'tiny', a GGUF/HF path, or the embedded SmolLM2-135M")
+    ap.add_argument("--adapter-dir", default=None,
+                    help="PEFT folders lora_0 .. lora_{N-1} (default <bench-dir>/adapters/r16_qkvo without --model)")
     ap.add_argument("--n-adapters", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", "--rows", dest="requests", type=int, default=32,
+                    help="requests, all submitted at once (= decode rows, max_num_seqs)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, nargs="+", default=[4, 1], help="num_scheduler_steps values")
@@ -115,18 +123,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     t_all = time.perf_counter()
-    adir = pathlib.Path(args.bench_dir) / "adapters" / "r16_qkvo"
-    if not (adir / f"lora_{args.n_adapters - 1}").is_dir():
-        sys.exit(f"{adir}: run benchmarks/vllm_peer/prepare.py --out {args.bench_dir} --ranks 16 "
-                 f"--n-adapters {args.n_adapters} --targets q k v o")
-    runner = load_runner(None)
+    adir = args.adapter_dir or (None if args.model else str(pathlib.Path(args.bench_dir) / "adapters" / "r16_qkvo"))
+    if adir is not None and not (pathlib.Path(adir) / f"lora_{args.n_adapters - 1}").is_dir():
+        if args.adapter_dir:
+            sys.exit(f"{adir}: no folder lora_{args.n_adapters - 1}")
+        log(f"# {adir}: no adapters (benchmarks/vllm_peer/prepare.py --out {args.bench_dir} --ranks 16 "
+            f"--n-adapters {args.n_adapters} --targets q k v o); base only")
+        adir = None
+    runner = load_runner(args.model)
     log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens"))
     V = runner.cfg.vocab_size
     cases, calls = {}, {}
-    for label, with_ad in (("base", False), ("PreFT-LoRA", True)):
+    for label, with_ad in (("base", False), ("PreFT-LoRA", True))[:2 if adir else 1]:
         for steps in args.steps:
             name = f"{label} steps={steps}"
-            eng, picks = served_engine(runner, str(adir) if with_ad else None, steps, args)
+            eng, picks = served_engine(runner, adir if with_ad else None, steps, args)
             rec = Recorder(eng)
             held = {}
 
@@ -144,13 +155,15 @@ def main(argv=None) -> int:
             cases[name] = run_engine
             cases[f"{name} (bare loop)"] = run_bare
     runs = round_robin(cases, args.repeats, log)
-    log("\n| variant | device calls | engine tok/s | bare loop tok/s | engine / bare median | per-repeat min-max |")
-    log("|---|---:|---:|---:|---:|---:|")
+    log("\n| variant | device calls | engine tok/s | bare loop tok/s | engine / bare median | per-repeat min-max "
+        "| host ms per call |")
+    log("|---|---:|---:|---:|---:|---:|---:|")
     for name in [k for k in runs if not k.endswith("(bare loop)")]:
         e, b = runs[name], runs[f"{name} (bare loop)"]
         per = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(e, b)]
+        host = [(x["wall_s"] - y["wall_s"]) / x["calls"] * 1e3 for x, y in zip(e, b)]
         log(f"| {name} | {calls[name]} | {spread([r['tok_per_s'] for r in e])} | {spread([r['tok_per_s'] for r in b])} "
-            f"| {stats(per)[0]:.2f}x | {min(per):.2f}-{max(per):.2f}x |")
+            f"| {stats(per)[0]:.2f}x | {min(per):.2f}-{max(per):.2f}x | {spread(host, '{:.2f}')} |")
     log(f"# minimal calls for this workload: 1 prefill + {args.max_tokens - 1} decode = {args.max_tokens}")
     log(f"# total wall {time.perf_counter() - t_all:.0f} s")
     write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls})
