@@ -5,7 +5,8 @@
 
 Workload: 32 requests (`--rows`: the decode rows, one per request) x 16 random prompt tokens -> 32
 greedy tokens, all submitted at once (the vLLM-peer workload, benchmarks/peer.py). Each engine run records every `preft_jax.paged_step` call
-the engine makes (its arguments: tokens, PagedBatch, bank, adapter ids, sampling rows). The bare
+the engine makes (`StepRunner.add_call_hook`: each call's `StepCall`, its arguments already on the
+device: tokens, PagedBatch, bank, adapter ids, sampling rows). The bare
 loop then replays exactly those calls back to back - the same shapes, the same number of calls,
 inputs already on the device, one final `block_until_ready` - with no scheduler, no block tables
 built, no token handling: the device time the engine cannot go below. Ratio = engine tok/s / bare
@@ -25,11 +26,9 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import header, load_runner, log, random_prompts, round_robin, serve, spread, stats, write_json
-from preft_jax.paged_step import paged_step
 
 
 def make_engine(runner, adapter_dir, steps, args):
@@ -56,51 +55,42 @@ def served_engine(runner, adapter_dir, steps, args):
 
 
 class Recorder:
-    """Wraps engine._call: keeps the arguments of every call (device copies made after the run)."""
+    """Keeps every step call of an engine (`StepRunner.add_call_hook`): the `StepCall`s, their
+    arguments on the device (tokens from an earlier call are that call's output)."""
 
     def __init__(self, engine, keep_outputs: bool = False):
-        self.engine, self.calls, self._orig = engine, [], engine._call
+        self.engine, self.calls = engine, []
         self.keep_outputs, self.outputs = keep_outputs, []
-        engine._call = self
+        engine.step_runner.add_call_hook(self)
 
-    def __call__(self, tokens, batch, bank, ids, plen, samp, flags=(False, False, False), next_tokens=None,
-                 native=None):
-        self.calls.append((tokens, batch, bank, ids, plen, samp, flags, next_tokens, native))
-        out = self._orig(tokens, batch, bank, ids, plen, samp, flags, next_tokens, native)
+    def __call__(self, call, run):
+        self.calls.append(call)
+        out = run(call)
         if self.keep_outputs:                                   # tests: what the engine got from each call
             self.outputs.append(out)
         return out
 
     def staged(self):
-        """The recorded calls with every argument on the device (tokens from an earlier call stay as they are)."""
-        out = []
-        for tokens, batch, bank, ids, plen, samp, flags, next_tokens, native in self.calls:
-            temp, top_p, top_k, key_data, counters = (jnp.asarray(x) for x in samp)
-            out.append((jnp.asarray(tokens), batch, bank, None if bank is None else jnp.asarray(ids),
-                        jnp.asarray(plen), temp, top_p, top_k, (key_data, counters), flags,
-                        None if next_tokens is None else jnp.asarray(next_tokens), native))
-        jax.block_until_ready(out)
-        self.calls = []
+        """The recorded calls (ready on the device), and a fresh start."""
+        out, self.calls = self.calls, []
+        jax.block_until_ready([(c.tokens, c.batch, c.sampling) for c in out])
         return out
 
 
-def replay(runner, call, cache):
-    """One staged call (`Recorder.staged`) through paged_step on `cache`: (output, cache)."""
-    tokens, batch, bank, ids, plen, temp, top_p, top_k, key, flags, next_tokens, native = call
-    lp, plp, rl = flags
-    return paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids, plen, temp, top_p, top_k, key,
-                      next_tokens, native, logprobs=lp, prompt_logprobs=plp, return_logits=rl)
+def replay(engine, call, cache):
+    """One recorded call through the engine's jitted step on `cache`: (output, cache)."""
+    return engine.step_runner.run_on(call, cache)
 
 
-def bare_loop(runner, engine, staged, outputs: list | None = None) -> float:
-    """Seconds to run the staged calls back to back through paged_step on a fresh KV pool (each
-    call's output appended to `outputs` when given)."""
-    cache = engine._new_cache()
+def bare_loop(engine, staged, outputs: list | None = None) -> float:
+    """Seconds to run the staged calls back to back through the engine's jitted step on a fresh KV
+    pool (each call's output appended to `outputs` when given)."""
+    cache = engine.step_runner.new_cache()
     jax.block_until_ready(cache.k)
     t0 = time.perf_counter()
     nxt = None
     for call in staged:
-        nxt, cache = replay(runner, call, cache)
+        nxt, cache = replay(engine, call, cache)
         if outputs is not None:
             outputs.append(nxt)
     jax.block_until_ready((nxt, cache))
@@ -148,8 +138,8 @@ def main(argv=None) -> int:
                 return {"tok_per_s": s.tok_per_s, "wall_s": s.wall, "calls": len(held["staged"])}
 
             def run_bare(rep, eng=eng, held=held):
-                bare_loop(runner, eng, held["staged"][:2])           # untimed: touch the shapes once
-                dt = bare_loop(runner, eng, held["staged"])
+                bare_loop(eng, held["staged"][:2])                   # untimed: touch the shapes once
+                dt = bare_loop(eng, held["staged"])
                 return {"tok_per_s": held["tokens"] / dt, "wall_s": dt}
 
             cases[name] = run_engine

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     for label, mode, with_adapters, cpu_decode, run in variants:
         t0 = time.perf_counter()
         eng = jax_engine(run, mode, str(adir) if with_adapters else None, args.n_adapters, args, cpu_decode)
-        log(f"# {label}: decode {'native CPU step' if eng.native is not None else 'XLA'}")
+        log(f"# {label}: decode {'native CPU step' if eng.step_runner.native is not None else 'XLA'}")
         eng.warmup()
         n = args.n_adapters if with_adapters else 0
         w = work(99, n)

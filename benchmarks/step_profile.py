@@ -55,28 +55,28 @@ def op_table(events, steps: int) -> dict[str, tuple[float, float]]:
     return {k: (v / steps / 1e3, count[k] / steps) for k, v in total.most_common()}
 
 
-def _timed(runner, engine, staged) -> list[float]:
+def _timed(engine, staged) -> list[float]:
     """Seconds of each staged call, each run to completion, on a fresh KV pool."""
-    cache = engine._new_cache()
+    cache = engine.step_runner.new_cache()
     jax.block_until_ready(cache.k)
     times = []
     for call in staged:
         t0 = time.perf_counter()
-        nxt, cache = replay(runner, call, cache)
+        nxt, cache = replay(engine, call, cache)
         jax.block_until_ready(nxt)
         times.append(time.perf_counter() - t0)
     return times
 
 
-def _trace(runner, engine, call, steps: int) -> dict[str, tuple[float, float]]:
-    cache = engine._new_cache()
+def _trace(engine, call, steps: int) -> dict[str, tuple[float, float]]:
+    cache = engine.step_runner.new_cache()
     for _ in range(2):
-        nxt, cache = replay(runner, call, cache)
+        nxt, cache = replay(engine, call, cache)
     jax.block_until_ready(nxt)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(steps):
-                nxt, cache = replay(runner, call, cache)
+                nxt, cache = replay(engine, call, cache)
             jax.block_until_ready(nxt)
         files = glob.glob(f"{d}/**/*perfetto_trace.json.gz", recursive=True)
         if not files:
@@ -109,20 +109,20 @@ def main(argv=None) -> int:
         recorded[label] = (engine, rec.staged())
         log(f"{label} engine: {served.tok_per_s:.1f} tok/s, {len(recorded[label][1])} calls")
     for engine, staged in recorded.values():
-        _timed(runner, engine, staged)                               # untimed: every shape once
+        _timed(engine, staged)                                       # untimed: every shape once
     runs = {k: [] for k in recorded}
     for _ in range(args.repeats):
         for label, (engine, staged) in recorded.items():
-            runs[label].append(_timed(runner, engine, staged))
+            runs[label].append(_timed(engine, staged))
     runs = {k: np.array(v) * 1e3 for k, v in runs.items()}
     staged = recorded["base"][1]
     cols = list(runs)
     log("\n| per-call device time, median ms (min-max over repeats) | " + " | ".join(cols) + " |")
     log("|---|" + "---:|" * len(cols))
     cell = lambda xs: f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
-    log(f"| prefill ({staged[0][0].shape[0]} rows x {staged[0][0].shape[1]}) | "
+    log(f"| prefill ({staged[0].tokens.shape[0]} rows x {staged[0].tokens.shape[1]}) | "
         + " | ".join(cell(runs[k][:, 0]) for k in cols) + " |")
-    log(f"| decode step ({staged[-1][0].shape[0]} rows), median of {len(staged) - 1} | "
+    log(f"| decode step ({staged[-1].tokens.shape[0]} rows), median of {len(staged) - 1} | "
         + " | ".join(cell([statistics.median(r[1:]) for r in runs[k]]) for k in cols) + " |")
     log(f"| all {len(staged)} calls | " + " | ".join(cell(runs[k].sum(1)) for k in cols) + " |")
     if len(cols) > 1:
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             f"({ratio.min():.2f}-{ratio.max():.2f}x per repeat)")
     engine = recorded["base"][0]
     if args.trace_steps > 0:
-        table = _trace(runner, engine, staged[len(staged) // 2], args.trace_steps)
+        table = _trace(engine, staged[len(staged) // 2], args.trace_steps)
         log(f"\n| op (decode step, {args.trace_steps} traced) | thread-ms per step | calls per step |")
         log("|---|---:|---:|")
         for name, (ms, n) in list(table.items())[:args.top]:

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import cpu
 from preft_jax.adapters.bank import AdapterBank, LayerAdapters
 from preft_jax.adapters.context import AdapterContext, resolve_backend
 from preft_jax.config import PROJECTION_AXES, ModelConfig
@@ -54,8 +53,6 @@ KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 MLP_AXES = ("batch", "seq", "mlp")
 # Optional q/k/v biases [n_layers, out] (ModelConfig.qkv_bias, e.g. Qwen2), added after the projection.
 BIAS_PARAMS = {"wq": "bq", "wk": "bk", "wv": "bv"}
-# Projections computed by one native matmul on packed weights (pallas_kernels.cpu.pack_decoder's names).
-DENSE_GROUPS = {("wq", "wk", "wv"): "w_qkv", ("wo",): "w_o", ("w_gate", "w_up"): "w_gu", ("w_down",): "w_down"}
 
 
 def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -161,23 +158,10 @@ class Llama(nnx.Module):
         w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         return quant.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
-    def _project(self, x, w, name, adapters: LayerAdapters | None, ctx: AdapterContext | None, bias=None):
-        return self._adapt(x, quant.einsum("btd,de->bte", x, w), name, adapters, ctx, bias)
-
-    def _projections(self, x, p, names, layer, adapters, ctx, dense):
-        """The projections `names` of one input x (e.g. q, k, v): XLA dots on the layer's weights p,
-        or with `dense` (packed stacks, see Llama.forward_paged) one native matmul of the group's
-        packed weights, read in place at `layer`, split into the projections."""
-        if dense is None:
-            return [self._project(x, p[n], n, adapters, ctx, p.get(BIAS_PARAMS.get(n, ""))) for n in names]
-        dims = self.cfg.projection_dims()
-        widths = [dims[PROJECTION_TARGET[n]][1] for n in names]
-        y = cpu.packed_matmul(x, dense[DENSE_GROUPS[names]], sum(widths), layer)
-        parts = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
-        return [self._adapt(x, y_n, n, adapters, ctx, p.get(BIAS_PARAMS.get(n, ""))) for y_n, n in zip(parts, names)]
-
-    def _adapt(self, x, y, name, adapters: LayerAdapters | None, ctx: AdapterContext | None, bias=None):
-        """A projection's output y plus its bias and its adapters' LoRA delta."""
+    def _project(self, x, p, name, adapters: LayerAdapters | None, ctx: AdapterContext | None):
+        """Projection `name` of x with the layer's weights p, plus its bias and its adapters' LoRA delta."""
+        y = quant.einsum("btd,de->bte", x, p[name])
+        bias = p.get(BIAS_PARAMS.get(name, ""))
         if bias is not None:
             y = y + bias.astype(y.dtype)
         target = PROJECTION_TARGET[name]
@@ -185,17 +169,15 @@ class Llama(nnx.Module):
             y = y + ctx.lora(x, adapters.lora_A[target], adapters.lora_B[target]).astype(y.dtype)
         return y
 
-    def _layer(self, h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache, dense=None):
+    def _layer(self, h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache):
         """One decoder layer. `attend(layer, q, k, v, cache) -> (out [B, T, H, hd], cache)`; `layer` is
         the scan's per-layer xs entry (the layer index, or (index, extra per-layer inputs)), and `cache`
-        any carried state; an attend may return (out, cache, y) to emit a per-layer output y. `dense`:
-        packed projection stacks for native matmuls (else p's weights, XLA dots)."""
+        any carried state; an attend may return (out, cache, y) to emit a per-layer output y."""
         cfg = self.cfg
         B, T, _ = h.shape
-        index = layer[0] if isinstance(layer, tuple) else layer
-        group = lambda x, names: self._projections(x, p, names, index, adapters, ctx, dense)   # noqa: E731
+        proj = lambda x, name: self._project(x, p, name, adapters, ctx)   # noqa: E731
         x = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-        q, k, v = group(x, ("wq", "wk", "wv"))
+        q, k, v = (proj(x, n) for n in ("wq", "wk", "wv"))
         q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
         k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
@@ -205,10 +187,10 @@ class Llama(nnx.Module):
         res = attend(layer, q, k, v, cache)
         attn, cache = self._constrain(res[0], Q_AXES), res[1]
         y = res[2] if len(res) > 2 else None
-        h = self._constrain(h + group(attn.reshape(B, T, cfg.q_dim), ("wo",))[0], H_AXES)
+        h = self._constrain(h + proj(attn.reshape(B, T, cfg.q_dim), "wo"), H_AXES)
         x = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-        gate, up = (self._constrain(y, MLP_AXES) for y in group(x, ("w_gate", "w_up")))
-        h = self._constrain(h + group(jax.nn.silu(gate) * up, ("w_down",))[0], H_AXES)
+        gate, up = (self._constrain(proj(x, n), MLP_AXES) for n in ("w_gate", "w_up"))
+        h = self._constrain(h + proj(jax.nn.silu(gate) * up, "w_down"), H_AXES)
         if adapters is not None and adapters.reft_R is not None:
             # ReFT edits the residual stream after this layer (zero R = identity for other layers).
             h = ctx.reft(h, adapters.reft_R, adapters.reft_W, adapters.reft_b, reft_subtract)
@@ -234,26 +216,22 @@ class Llama(nnx.Module):
         return out.reshape(B, T, H, hd).astype(q.dtype)
 
     def _scan_layers(self, h, bank: AdapterBank | None, ctx, positions, attend, cache, layer_xs=None,
-                     with_ys: bool = False, dense=None, remat: bool = False):
+                     with_ys: bool = False, remat: bool = False):
         """Scans the layer body over the stacked weights, carrying `cache` (updated in place).
 
         `layer_xs`: extra per-layer inputs (leading axis n_layers) handed to `attend` as
         (layer index, slice); with_ys: also return the stacked per-layer outputs of `attend`;
-        dense: packed projection stacks (closed over, read in place by layer index) replacing the
-        stacked projection weights, which are then not scanned over. remat: the layer body is
-        rematerialized in the backward pass (only each layer's input is kept, not its activations)."""
+        remat: the layer body is rematerialized in the backward pass (only each layer's input is
+        kept, not its activations)."""
         idx = jnp.arange(self.cfg.n_layers)
-        stacked = self.layers.stacked()
-        if dense is not None:
-            stacked = {k: v for k, v in stacked.items() if k not in PROJECTION_TARGET}
-        xs = (idx if layer_xs is None else (idx, layer_xs), stacked,
+        xs = (idx if layer_xs is None else (idx, layer_xs), self.layers.stacked(),
               None if bank is None else bank.per_layer())
         reft_subtract = None if bank is None else bank.reft_subtract
 
         def body(carry, x):
             h, cache = carry
             layer, p, adapters = x
-            h, cache, y = self._layer(h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache, dense)
+            h, cache, y = self._layer(h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache)
             return (h, cache), y
 
         if remat:
@@ -321,12 +299,10 @@ class Llama(nnx.Module):
         return self.logits(h[:, 0]), self._constrain_cache(cache)
 
     def forward_paged(self, tokens, batch: PagedBatch, cache: PagedKVCache, bank: AdapterBank | None = None,
-                      ctx: AdapterContext | None = None, dense: dict | None = None):
+                      ctx: AdapterContext | None = None):
         """tokens int [R, C]: row r's tokens at positions batch.context_lens[r] + [0, C) (valid: the
         first batch.chunk_lens[r]); each attends to its cached context (block table) and causally to
-        its own chunk; their K/V are written into the paged pool. Decode is C == 1. `dense`: the
-        packed weights of pallas_kernels.cpu.pack_decoder (float32, CPU, no mesh): the base
-        projections run as native matmuls on them; adapters, norms and attention stay XLA's.
+        its own chunk; their K/V are written into the paged pool. Decode is C == 1.
         Returns (hidden [R, C, d], cache)."""
         R, C = tokens.shape
         self._check_context(bank, ctx, R * C)
@@ -344,14 +320,14 @@ class Llama(nnx.Module):
                                                        batch.context_lens + batch.chunk_lens, platform)
                 return out[:, None], c
 
-            h, cache = self._scan_layers(h, bank, ctx, positions, attend, cache, dense=dense)
+            h, cache = self._scan_layers(h, bank, ctx, positions, attend, cache)
             return h, self._constrain_cache(cache)
 
         def attend(layer, q, k, v, c):
             out = paged_kv.gather_attention(q, k, v, cache.k, cache.v, batch, layer)
             return out, c, (k, v)
 
-        h, _, (k_new, v_new) = self._scan_layers(h, bank, ctx, positions, attend, None, with_ys=True, dense=dense)
+        h, _, (k_new, v_new) = self._scan_layers(h, bank, ctx, positions, attend, None, with_ys=True)
         return h, self._constrain_cache(paged_kv.write_kv(cache, k_new, v_new, batch.write_index))
 
     @staticmethod

@@ -1,17 +1,20 @@
-"""The native CPU path: the decoder layers and the LM head of a decode step (one token per row, base
-weights) run as one pallas_kernels.cpu XLA FFI call on weights packed once at load; other calls run
-their base projections as native matmuls on the same packed weights (`Llama.forward_paged(dense=)`).
+"""The native CPU path, behind this one door: the decoder layers and the LM head of a decode step
+(one token per row, base weights) run as one pallas_kernels.cpu XLA FFI call on weights packed once
+at load. The model (preft_jax/model.py) does not know it exists; the serving engine chooses it
+(serve/step_runner.py, `EngineConfig.cpu_decode`).
 
     why = unsupported_reason(cfg, dtype, mesh, quantization)   "" when the native path can serve this model
     native = pack(model)                              NativeWeights (a pytree: pass it to paged_step)
     logits, greedy, cache = decode_logits(model, native, tokens, batch, cache)
 
 `paged_step(..., native=...)` takes the one-call step for decode calls without a bank (every decode
-call of a base or PreFT engine) and the native projections for the rest (prefill chunks, all-token
-decode), where adapters, norms and attention stay XLA's. Meshes, bfloat16 and accelerators keep the
-XLA / Pallas paths. Outputs equal `paged_forward`'s up to float32 rounding (same math, another
-summation order): tests/test_native_decode.py holds them to the XLA path and to float64. Cost: a
-second, packed copy of the layer weights and the LM head in host memory.
+call of a base or PreFT engine); every other call (prefill chunks, all-token decode) runs on XLA.
+Meshes, bfloat16, accelerators and any model feature the native code does not implement keep the
+XLA / Pallas paths: `unsupported_reason` checks every `ModelConfig` field against an allow-list
+(`NATIVE_FIELDS`), so a field added to the config later falls back to XLA until it is listed here.
+Outputs equal `paged_forward`'s up to float32 rounding (same math, another summation order):
+tests/test_native_decode.py holds them to the XLA path and to float64. Cost: a second, packed copy
+of the layer weights and the LM head in host memory.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu
-from preft_jax.config import ModelConfig
+from preft_jax.config import ModelConfig, RopeScaling
 from preft_jax.paged_kv import PagedBatch, PagedKVCache
 
 CPU_DECODE = ("auto", "native", "xla")      # EngineConfig.cpu_decode
@@ -35,8 +38,34 @@ class NativeWeights:
     vocab_size: int = dataclasses.field(metadata=dict(static=True), default=0)
 
 
+def _any(_value) -> bool:
+    return True
+
+
+# Every ModelConfig field -> (the values the native step implements, what that is). A field that is
+# not listed (a new model feature) or a value outside its set sends the model to the XLA path.
+NATIVE_FIELDS = {
+    "vocab_size": (_any, "any size"),
+    "d_model": (_any, "any size"),
+    "n_layers": (_any, "any number"),
+    "n_heads": (_any, "any number (a multiple of n_kv_heads, as every config)"),
+    "n_kv_heads": (_any, "any number"),
+    "head_dim": (lambda v: v % 2 == 0, "even (rotate-half RoPE)"),
+    "ffn_dim": (_any, "any size"),
+    "rope_theta": (_any, "any base (the inverse frequencies are passed in)"),
+    "rms_eps": (_any, "any epsilon"),
+    "tie_embeddings": (_any, "tied or untied LM head"),
+    "max_seq_len": (_any, "any length"),
+    "rope_scaling": (lambda v: v is None or type(v) is RopeScaling, "None or llama3 RopeScaling"),
+    "bos_token_id": (_any, "not used by the step"),
+    "eos_token_ids": (_any, "not used by the step"),
+    "qkv_bias": (_any, "with or without q/k/v biases"),
+}
+
+
 def unsupported_reason(cfg: ModelConfig, dtype, mesh=None, quantization: str | None = None) -> str:
-    """"" when the native decode step can serve `cfg` in `dtype` here, else why not. `quantization`:
+    """"" when the native decode step can serve `cfg` in `dtype` here, else why not (naming the
+    ModelConfig field, for a model feature the native step does not implement). `quantization`:
     "int8" | "int4" when the base weights are quantized (preft_jax.quantize)."""
     if quantization:
         return (f"the base weights are quantized ({quantization}); the native step packs and reads "
@@ -45,8 +74,13 @@ def unsupported_reason(cfg: ModelConfig, dtype, mesh=None, quantization: str | N
         return f"the engine runs on a mesh {dict(mesh.shape)} (the native step is one unsharded CPU device)"
     if jnp.dtype(dtype) != jnp.float32:
         return f"the model dtype is {jnp.dtype(dtype).name} (the native step is float32)"
-    if cfg.head_dim % 2:
-        return f"head_dim {cfg.head_dim} is odd"
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if field.name not in NATIVE_FIELDS:
+            return f"ModelConfig.{field.name} is a model feature the native step does not implement"
+        allowed, what = NATIVE_FIELDS[field.name]
+        if not allowed(value):
+            return f"ModelConfig.{field.name} = {value!r} (the native step implements {what})"
     return cpu.unavailable_reason()
 
 

@@ -31,9 +31,8 @@ positions; `adapter_starts` int32 [R] gives activated (aLoRA) rows their activat
 prompt prefilled in chunks is adapted exactly like a whole prompt, and generated tokens of a PreFT
 request run on base weights (their positions are >= the prompt length). `bank=None` compiles
 the plain base model. `native` (a `preft_jax.native_decode.NativeWeights`: float32, one CPU device)
-runs a decode call without a bank as one native CPU call (layers, LM head, greedy argmax), and any
-other call (prefill chunks, adapted decode) with its base projections as native matmuls while
-adapters, norms and attention stay XLA's.
+runs a decode call without a bank as one native CPU call (layers, LM head, greedy argmax); every
+other call (prefill chunks, adapted decode) ignores it and runs on XLA.
 """
 from __future__ import annotations
 
@@ -49,14 +48,13 @@ from preft_jax.paged_kv import PagedBatch, PagedKVCache
 from preft_jax.sampling import MAX_TOP_LOGPROBS, row_keys, sample, token_logprobs
 
 
-def _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths, dense=None,
-            adapter_starts=None):
+def _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths, adapter_starts=None):
     model = nnx.merge(graphdef, state)
     ctx = None
     if bank is not None:
         slots = token_adapter_index(bank, adapter_ids, batch.positions, prompt_lengths, adapter_starts)
         ctx = model.adapter_context(slots, bank, row_slots=adapter_ids)      # a row is one request
-    h, cache = model.forward_paged(tokens, batch, cache, bank, ctx, dense=dense)
+    h, cache = model.forward_paged(tokens, batch, cache, bank, ctx)
     return model, h, cache
 
 
@@ -87,9 +85,9 @@ def _paged_step(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache,
     if native is not None and bank is None and tokens.shape[1] == 1:   # a base-weights decode call: all native
         model = nnx.merge(graphdef, state)
         logits, greedy, cache = native_decode.decode_logits(model, native, tokens, batch, cache)
-    else:                                                    # with native weights: native base projections
+    else:
         model, h, cache = _hidden(graphdef, state, tokens, batch, cache, bank, adapter_ids, prompt_lengths,
-                                  None if native is None else native.layers, adapter_starts)
+                                  adapter_starts)
         R = tokens.shape[0]
         logits, greedy = model.logits(h[jnp.arange(R), jnp.maximum(batch.chunk_lens - 1, 0)]), None
     if isinstance(key, tuple):

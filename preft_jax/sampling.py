@@ -28,30 +28,41 @@ class SamplingParams:
     prompt_logprobs: int | None = None    # the same for every prompt token after the first
 
     def __post_init__(self):
+        """The one definition of what each sampling field accepts (serve/protocol.py and the engine
+        rely on it): raises `SamplingError` naming the field."""
         _number(self.temperature, "temperature")
         _number(self.top_p, "top_p")
         _integer(self.top_k, "top_k")
         _integer(self.max_new_tokens, "max_new_tokens")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise SamplingError("top_k", f"must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise SamplingError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
             _integer(t, "stop_token_ids entry", minimum=-INT32_MAX - 1)     # negative: never matches
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
-            raise ValueError(f"seed must be an integer or None, got {type(self.seed).__name__}")
+            raise SamplingError("seed", f"must be an integer or None, got {type(self.seed).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None:
                 _integer(v, name)
                 if v > MAX_TOP_LOGPROBS:
-                    raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+                    raise SamplingError(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+
+
+class SamplingError(ValueError):
+    """An invalid sampling field: str(e) is "<field> <requirement>"; `field` names the
+    SamplingParams field (an HTTP layer renames it to its own key)."""
+
+    def __init__(self, field: str, requirement: str):
+        super().__init__(f"{field} {requirement}")
+        self.field, self.requirement = field, requirement
 
 
 MAX_TOP_LOGPROBS = 20     # top log-probabilities a step can return per token (a static shape)
@@ -60,20 +71,25 @@ MAX_TOP_LOGPROBS = 20     # top log-probabilities a step can return per token (a
 INT32_MAX = 2 ** 31 - 1
 
 
+def shown(v) -> str:
+    """A value for an error message (an integer of thousands of digits is not echoed back)."""
+    return "a huge value" if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10 ** 30 else str(v)
+
+
 def _number(v, name: str) -> None:
     """A finite real number (bool excluded): the engine keeps it as float32."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(v).__name__}")
-    if not math.isfinite(v) or abs(v) > 3.0e38:
-        raise ValueError(f"{name} must be a finite number, got {v}")
+        raise SamplingError(name, f"must be a number, got {type(v).__name__}")
+    if abs(v) > 3.0e38 or not math.isfinite(v):         # abs first: a huge int is not a float
+        raise SamplingError(name, f"must be a finite number, got {shown(v)}")
 
 
 def _integer(v, name: str, minimum: int = 0) -> None:
     """An integer in [minimum, 2^31 - 1] (the engine keeps it as int32)."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {type(v).__name__}")
+        raise SamplingError(name, f"must be an integer, got {type(v).__name__}")
     if not minimum <= int(v) <= INT32_MAX:
-        raise ValueError(f"{name} must be in [{minimum}, {INT32_MAX}], got {v}")
+        raise SamplingError(name, f"must be in [{minimum}, {INT32_MAX}], got {shown(v)}")
 
 
 def seed_key_data(seed: int, index: int = 0) -> np.ndarray:

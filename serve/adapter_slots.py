@@ -2,8 +2,9 @@
 
 `capacity` adapter slots (slot 0 of the bank is the base model and holds none). PreFT's decode never
 reads the adapter, so a request needs its adapter in an adapter slot only while its prompt is
-prefilled: the engine pins a slot for a request when its prefill starts and unpins it when the
-prefill ends (mode "prefill"), or when the request ends (mode "all", the all-token baseline).
+prefilled: the scheduler (serve/scheduler.py, the one owner of pins) pins a slot for a request when
+its prefill starts and unpins it when the prefill ends (mode "prefill"), or when the request ends
+(mode "all", the all-token baseline).
 Unpinned slots keep their weights (a later request for the same version is a device hit) until
 evicted least-recently-used. Slot contents are written by the bank's one slot writer
 (`preft_jax.adapters.bank.write_slot`, a jitted donated update), from the host arrays the catalog

@@ -1,6 +1,11 @@
 """OpenAI request bodies -> validated values. Every check raises `BadRequest` (HTTP 400) naming the
 field, so nothing malformed reaches tokenization or the engine.
 
+This module owns the body's shape (JSON types) and the OpenAI API's own limits (temperature <= 2,
+prompts x n, stop sequences, ...). The values' rules are owned elsewhere and checked once there:
+sampling fields by `SamplingParams` (a `SamplingError` becomes a 400 naming the body key here), and
+what the engine can represent (vocabulary, context, `n` <= rows) by serve/validation.py at submit.
+
 Fields the server cannot honour yet (`logit_bias`, `response_format` other than text, tools, `suffix`,
 `best_of` other than `n`, penalties) are a 400; unknown fields are ignored, as OpenAI does.
 """
@@ -10,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from preft_jax.sampling import INT32_MAX, MAX_TOP_LOGPROBS, SamplingParams
+from preft_jax.sampling import INT32_MAX, SamplingError, SamplingParams, shown
 from serve.errors import RequestError
 
 MAX_STOP_SEQUENCES = 4
@@ -18,6 +23,7 @@ MAX_STOP_CHARS = 256
 MAX_NAME_CHARS = 256
 MAX_PROMPTS = 64          # prompts in one /v1/completions request
 MAX_CHOICES = 128         # prompts x n in one request
+MAX_TEMPERATURE = 2.0     # the OpenAI API's range is [0, 2]
 
 
 class BadRequest(RequestError):
@@ -88,6 +94,11 @@ def number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: 
     return v
 
 
+# SamplingParams field -> its body key, per endpoint (a SamplingError names the key the client sent)
+_COMPLETION_KEYS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
+_CHAT_KEYS = {"logprobs": "top_logprobs"}
+
+
 def integer(body: dict, key: str, default: int | None, lo: int, hi: int = INT32_MAX) -> int | None:
     v = get(body, key, int, default)
     if v is not None and not lo <= v <= hi:
@@ -109,22 +120,31 @@ def stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(text(s, "stop", MAX_STOP_CHARS) for s in stop)
 
 
-def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], vocab_size: int,
-             logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    temperature = number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = integer(body, "top_k", 0, -1, vocab_size)           # -1 or 0: off (vLLM uses -1)
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k), max_new_tokens=max_tokens,
-                          stop_token_ids=stop_ids, seed=body.get("seed"), logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs)
+def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], logprobs: int | None = None,
+             prompt_logprobs: int | None = None) -> SamplingParams:
+    """The body's sampling fields as SamplingParams (which checks their values)."""
+    temperature = get(body, "temperature", (int, float), 1.0)
+    if temperature > MAX_TEMPERATURE:
+        raise BadRequest(f"'temperature' must be at most {MAX_TEMPERATURE:g} (the OpenAI API's range), got "
+                         f"{shown(temperature)}", "temperature")
+    top_k = get(body, "top_k", int, 0)
+    try:
+        return SamplingParams(temperature=temperature, top_p=get(body, "top_p", (int, float), 1.0),
+                              top_k=0 if top_k == -1 else top_k,              # -1 or 0: off (vLLM uses -1)
+                              max_new_tokens=max_tokens, stop_token_ids=stop_ids, seed=body.get("seed"),
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    except SamplingError as e:
+        keys = dict(_CHAT_KEYS, max_new_tokens=max_tokens_key(body)) if "messages" in body else _COMPLETION_KEYS
+        key = keys.get(e.field, e.field)
+        raise BadRequest(f"'{key}' {e.requirement}", key) from None
 
 
-def n_choices(body: dict, max_n: int, prompts: int = 1) -> int:
-    """`n` in [1, max_n] (the engine's running sequences), with prompts x n <= MAX_CHOICES."""
-    n = integer(body, "n", 1, 1, max_n)
+def n_choices(body: dict, prompts: int = 1) -> int:
+    """`n`, with prompts x n <= MAX_CHOICES (the engine checks n against its rows at submit)."""
+    n = get(body, "n", int, 1)
     if prompts * n > MAX_CHOICES:
-        raise BadRequest(f"{prompts} prompt(s) x n={n} is {prompts * n} choices; at most {MAX_CHOICES} per "
-                         f"request", "n")
+        raise BadRequest(f"{prompts} prompt(s) x n={shown(n)} is {shown(prompts * n)} choices; at most "
+                         f"{MAX_CHOICES} per request", "n")
     best_of = integer(body, "best_of", None, 1)
     if best_of is not None and best_of != n:
         raise BadRequest(f"'best_of' is not supported (absent or equal to n={n})", "best_of")
@@ -134,18 +154,18 @@ def n_choices(body: dict, max_n: int, prompts: int = 1) -> int:
 def chat_logprobs(body: dict) -> int | None:
     """`logprobs: true` [+ `top_logprobs: k`] -> k (0 without top_logprobs); None when off."""
     on = get(body, "logprobs", bool, False)
-    top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    top = get(body, "top_logprobs", int, None)
     if top and not on:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if on else None
 
 
 def completion_logprobs(body: dict) -> int | None:
-    """Legacy `logprobs: k` (an integer in [0, MAX_TOP_LOGPROBS]) -> k; None when absent."""
+    """Legacy `logprobs: k` (an integer; SamplingParams takes [0, MAX_TOP_LOGPROBS]) -> k; None when absent."""
     if "top_logprobs" in body and body["top_logprobs"] is not None:
         raise BadRequest("'top_logprobs' is a chat field; /v1/completions takes 'logprobs': <integer>",
                          "top_logprobs")
-    return integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    return get(body, "logprobs", int, None)
 
 
 def common_checks(body: dict) -> None:
@@ -172,10 +192,15 @@ def common_checks(body: dict) -> None:
 
 def max_tokens(body: dict, keys: tuple[str, ...], default: int, prompt_len: int, max_len: int) -> int:
     for key in keys:
-        v = integer(body, key, None, 1)
+        v = get(body, key, int, None)
         if v is not None:
-            return v               # the engine refuses prompt + max_tokens > context with a clear 400
+            return v               # SamplingParams checks it; the engine refuses prompt + max_tokens > context
     return max(1, min(default, max_len - prompt_len - 1))
+
+
+def max_tokens_key(body: dict) -> str:
+    """The chat body's key of the token limit: max_completion_tokens when given, else max_tokens."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
 
 
 def completion_prompts(body: dict) -> list[str | list[int]]:
@@ -189,7 +214,7 @@ def completion_prompts(body: dict) -> list[str | list[int]]:
 
 
 def completion_prompt(body: dict) -> str | list[int]:
-    """A string, or a list of token ids (ids range-checked by the engine)."""
+    """A string, or a list of token ids (ids range-checked by serve/validation.py)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]               # a batch of one prompt
@@ -198,8 +223,6 @@ def completion_prompt(body: dict) -> str | list[int]:
             raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
         return text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(-INT32_MAX <= t <= INT32_MAX for t in prompt):
-            raise BadRequest("'prompt' token ids must be in the vocabulary", "prompt")
         return list(prompt)
     if prompt is None:
         raise BadRequest("'prompt' is a required field", "prompt")

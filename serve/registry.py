@@ -139,10 +139,9 @@ class AdapterRegistry:
         return self.catalog.acquire(name)
 
     def release(self, ref: AdapterRef | None) -> None:
+        """Drops a request's reference (its device pin is the scheduler's: released before this)."""
         if ref is None:
             return
-        if ref.slot:
-            self.slots.unpin(ref)
         self.catalog.release(ref)
 
     def in_use(self, name: str) -> int:

@@ -19,6 +19,11 @@ Prefix caching: on admission, the leading full blocks of a sequence's tokens are
 adapted, the adapter's identity (weights digest + policy). After each step the newly completed full
 blocks are registered. The last prompt token is always computed (its logits sample the first token).
 
+Device adapter slots: the scheduler is the one owner of pins. A sequence pins its adapter's device
+slot when it is admitted (`_admit`); in PreFT mode ("prefill") it unpins when its prompt is done
+(`prefill_done`: generated tokens run on the base weights), in mode "all" when it leaves the running
+set (`remove`, `preempt`). Forks of an all-token sequence pin their parent's slot (`fork`).
+
 Parallel samples (`n` > 1): the n sequences of one prompt are prefilled once, by the first of them;
 the other n - 1 wait in its `forks` (holding admission room for their rows) and join the running
 set when its prefill ends (`fork`), sharing every prompt block by reference. A shared block that is
@@ -143,9 +148,19 @@ class Scheduler:
             seq.registered = i
         return src, dst
 
+    def prefill_done(self, seq: Sequence) -> None:
+        """The sequence's prompt is computed: it decodes next. PreFT: its adapter's device slot is
+        free again (generated tokens run on the base weights)."""
+        seq.status = DECODE
+        if self.config.mode == "prefill" and seq.ref is not None:
+            self.registry.unpin(seq.ref)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (a sibling of `parent`, same prompt) joins the running set sharing the parent's
-        computed blocks; it decodes next."""
+        computed blocks and its adapter version; it decodes next (mode "all": on the parent's
+        pinned slot, pinned again for the child)."""
+        if child.ref is not None:
+            child.ref.entry = parent.ref.entry           # the same adapter version as the prefill
         self.pool.share(parent.blocks)
         child.blocks = list(parent.blocks)
         child.num_computed = parent.num_computed
@@ -156,6 +171,8 @@ class Scheduler:
         self._admissions += 1
         child.admitted_at = self._admissions
         self.running.append(child)
+        if self.config.mode == "all" and child.ref is not None:
+            self.registry.pin(child.ref)                  # the parent's slot: pinned, so a hit
 
     def rows_reserved(self) -> int:
         """Running rows plus those held for forks still waiting for their parent's prefill."""

@@ -85,3 +85,15 @@ def _release_compiled_programs():
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="module", params=["native", pytest.param("xla", marks=pytest.mark.slow)])
+def cpu_decode(request) -> str:
+    """The engine's CPU decode path (`EngineConfig.cpu_decode`): engine test modules run over both,
+    "native" (the one-call native base decode step, what "auto" picks on CPU) and "xla" (marked slow:
+    the fast suite keeps one run of each test)."""
+    if request.param == "native":
+        from pallas_kernels import cpu
+        if not cpu.available():
+            pytest.skip(f"native CPU decode unavailable: {cpu.unavailable_reason()}")
+    return request.param

@@ -42,7 +42,7 @@ def test_replay_reproduces_every_engine_call(runner, steps):
     staged = rec.staged()
     assert len(staged) == len(expected) >= 7            # one call per step at least (prefill + decode)
     replayed = []
-    bare_loop(runner, eng, staged, replayed)
+    bare_loop(eng, staged, replayed)
     got = jax.device_get(replayed)
     for i, (e, g) in enumerate(zip(expected, got)):
         e, g = (x if isinstance(x, dict) else {"tokens": x} for x in (e, g))

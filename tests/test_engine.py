@@ -33,11 +33,19 @@ def _adapters(policy=PositionPolicy()):
 
 
 ADAPTERS = _adapters()
+CPU_DECODE = "auto"
 
 
 @pytest.fixture(scope="module")
 def runner():
     return ModelRunner(Llama.from_params(CFG, PARAMS))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _decode_path(cpu_decode):
+    """Every test here runs over both CPU decode paths (conftest `cpu_decode`); `_engine` reads it."""
+    global CPU_DECODE
+    CPU_DECODE = cpu_decode
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +71,8 @@ def _engine(runner, mode, n_slots=3, tokenizer=None):
     reg.load("a", ADAPTERS["a"])
     reg.load("b", ADAPTERS["b"])
     eng = Engine(runner, reg, EngineConfig(max_num_seqs=n_slots, max_model_len=48, mode=mode, max_prefill_seqs=2,
-                                           max_num_batched_tokens=16, block_size=4), tokenizer=tokenizer)
+                                           max_num_batched_tokens=16, block_size=4, cpu_decode=CPU_DECODE),
+                 tokenizer=tokenizer)
     reg.load("c", ADAPTERS["c"])
     assert reg.mode == mode
     return eng
@@ -214,7 +223,8 @@ def test_real_model_stop_strings_and_text(default_model):
     cfg, params, tok = default_model
     runner = ModelRunner(Llama.from_params(cfg, params))
     eng = Engine(runner, AdapterRegistry(cfg, capacity=0), EngineConfig(max_num_seqs=2, max_model_len=128,
-                                                                        max_prefill_seqs=2), tokenizer=tok)
+                                                                        max_prefill_seqs=2, cpu_decode=CPU_DECODE),
+                 tokenizer=tok)
     ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     sp = SamplingParams(max_new_tokens=12, stop_token_ids=tuple(tok.eos_token_ids))
     full = eng.generate([(ids, None, sp)])[0]

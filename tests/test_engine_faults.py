@@ -28,19 +28,20 @@ class Faults:
     decode that blocks until released, and failures that consume the donated KV pool."""
 
     def __init__(self, eng):
-        self.eng, self.orig = eng, eng._call
+        self.eng = eng
         self.fail_decodes = 0
         self.consume_cache = False
         self.block = None          # a threading.Event: decode waits on it
-        eng._call = self
+        eng.step_runner.add_call_hook(self)
 
     def _fail(self, what):
         if self.consume_cache:
-            self.eng.cache.k.delete()
-            self.eng.cache.v.delete()
+            self.eng.step_runner.cache.k.delete()
+            self.eng.step_runner.cache.v.delete()
         raise RuntimeError(f"injected {what} failure")
 
-    def __call__(self, tokens, *args):
+    def __call__(self, call, run):
+        tokens = call.tokens
         decode = tokens.shape[1] == 1
         if not decode and np.any(np.asarray(tokens) == POISON):
             self._fail("prefill")
@@ -50,7 +51,7 @@ class Faults:
             if self.fail_decodes:
                 self.fail_decodes -= 1
                 self._fail("decode")
-        return self.orig(tokens, *args)
+        return run(call)
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +142,12 @@ def test_host_side_token_failure_fails_only_that_request(model):
             raise RuntimeError("the consumer is gone")
 
     eng, _ = _engine(model)
-    accept = eng._accept
 
-    def picky(seq, token):
-        if seq.req.prompt_ids == [9, 9, 9] and len(seq.req.tokens) == 2:
+    def picky(req, token):
+        if req.prompt_ids == [9, 9, 9] and len(req.tokens) == 2:
             raise ValueError("injected token-handling error")
-        return accept(seq, token)
 
-    eng._accept = picky
+    eng.add_token_hook(picky)
     r_bad = eng.submit([9, 9, 9], "a", _sp(5))
     r_ok = eng.submit([1, 2, 3, 4], None, _sp(5))
     r_deaf = eng.submit([1, 2, 3, 4], "a", _sp(5), events=Broken())
@@ -242,3 +241,44 @@ def test_health_reports_a_wedged_step(model):
         faults.block.set()
         eng.shutdown()
     jax.clear_caches()
+
+
+def test_concurrent_shutdowns_are_safe(model):
+    """Issue 23: a server's exit handler and its lifespan hook shut the engine down at once. Every
+    caller returns without an error, /health stays readable throughout, requests fail with 503."""
+    for attempt in range(3):
+        eng, faults = _engine(model, max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=8)
+        faults.block = threading.Event()                  # the loop is busy inside a step
+        eng.start()
+        req = eng.submit([3, 4], "a", _sp(10))
+        deadline = time.monotonic() + 60
+        while eng.health()["step_in_progress_s"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        errors, stop_probe = [], threading.Event()
+
+        def call(fn):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - what the test looks for
+                errors.append(e)
+
+        def probe():
+            while not stop_probe.is_set():
+                call(eng.health)
+
+        threads = [threading.Thread(target=call, args=(lambda g=g: eng.shutdown(grace=g, join_timeout=0.3),))
+                   for g in (0.2, 0.0, 0.1, 0.3)] + [threading.Thread(target=probe)]
+        for t in threads:
+            t.start()
+        for t in threads[:-1]:
+            t.join(30)
+        faults.block.set()
+        stop_probe.set()
+        threads[-1].join(30)
+        assert errors == [], (attempt, errors)
+        with pytest.raises(EngineError, match="shutting down"):
+            req.wait(timeout=5)
+        h = eng.health()
+        assert not h["loop_running"] and not h["accepting"]
+        eng.shutdown()                                    # once more, after the fact: a no-op
+        assert eng.registry.in_use("a") == 0

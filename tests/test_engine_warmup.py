@@ -100,3 +100,72 @@ def test_background_warmup_serves_early_requests_exactly(runner):
         eng.shutdown()
     for (p, a, m), toks in zip(_requests(3), got2):
         assert toks == _alone(runner, p, a, m)
+
+
+def _small_engine(runner, **kw):
+    """Few buckets (two prefill, two decode shapes): a background warm-up of a few seconds."""
+    return _engine(runner, **dict(dict(max_num_seqs=2, max_model_len=16, max_prefill_seqs=1,
+                                       max_num_batched_tokens=8, block_size=8), **kw))
+
+
+def _wait_warm(eng, timeout=600.0):
+    deadline = time.monotonic() + timeout
+    while eng.health()["warmup_pending"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.health()["warmup_pending"] == 0
+
+
+def test_an_adapter_upload_during_background_warmup_does_not_kill_it(runner, caplog):
+    """Issue 23: the first adapter request uploads its adapter into the bank, which donates (frees)
+    the bank array; warm-up tasks read the bank when they run, so every later task still compiles."""
+    eng = _small_engine(runner)
+    n = eng.warm_in_background()
+    assert n >= 5 and eng.registry.occupancy()["device_resident"] == 0
+    eng.start()
+    try:
+        p, a, m = [5, 6, 7], "a", 4
+        r = eng.submit(p, a, SamplingParams(max_new_tokens=m, stop_token_ids=NO_STOP))    # pins: a slot write
+        assert r.wait(timeout=600).tokens == _alone(runner, p, a, m)
+        _wait_warm(eng)
+        h = eng.health()
+        assert h["warmup_failed"] == 0 and h["loop_running"]
+    finally:
+        eng.shutdown()
+    assert not [rec for rec in caplog.records if "warm-up" in rec.getMessage() and rec.levelname != "INFO"]
+
+
+def test_a_failing_warmup_task_is_retried_once_then_skipped(runner, caplog):
+    """One shape fails once (retried: compiled), another fails every time (skipped, one log line
+    each time); the remaining tasks still run and /health says what happened."""
+    eng = _small_engine(runner)
+    assert eng.step_runner.block_buckets == [1, 2]
+    flaky, broken = "decode (context 1 blocks)", "decode (context 2 blocks)"
+    tasks = [label for label, _ in eng.warmup_tasks()]
+    assert flaky in tasks and broken in tasks
+    failures = {1: 1, 2: 10 ** 6}            # decode calls by block-table width: failures left to inject
+
+    def hook(call, run):
+        nb = call.batch.block_tables.shape[1]
+        if call.tokens.shape[1] == 1 and failures.get(nb, 0) > 0:
+            failures[nb] -= 1
+            raise RuntimeError(f"injected failure\nsecond line, width {nb}")
+        return run(call)
+
+    eng.step_runner.add_call_hook(hook)
+    with caplog.at_level("INFO", logger="serve.engine"):
+        assert eng.warm_in_background() == len(tasks) == eng.health()["warmup_pending"]
+        eng.start()
+        try:
+            _wait_warm(eng)
+            h = eng.health()
+            assert h["warmup_failed"] == 1 and h["loop_running"]
+            failures.clear()
+            r = eng.submit([9, 8, 7], None, SamplingParams(max_new_tokens=3, stop_token_ids=NO_STOP))
+            assert r.wait(timeout=600).tokens == _alone(runner, [9, 8, 7], None, 3)
+        finally:
+            eng.shutdown()
+    lines = [rec.getMessage() for rec in caplog.records if "warm-up of" in rec.getMessage()]
+    assert lines == [f"background warm-up of {flaky!r} failed (RuntimeError: injected failure); retrying it once",
+                     f"background warm-up of {broken!r} failed (RuntimeError: injected failure); retrying it once",
+                     f"background warm-up of {broken!r} failed again (RuntimeError: injected failure); skipped, "
+                     f"it compiles on first use"]

@@ -2,7 +2,8 @@
 references: the packed matmul against float64 numpy on random shapes (column and row tails); the
 decoder layers against a float64 recompute of whole sequences and against the XLA paged path on the
 same pool (random block placement, padding rows, dropped writes, biases, untied heads); engine
-outputs with cpu_decode native vs xla; bad indices are errors that leave the pool untouched."""
+outputs with cpu_decode native vs xla; bad indices are errors that leave the pool untouched; only a
+base-weights decode call is native; the allow-list of ModelConfig fields."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,61 +143,33 @@ def test_bad_indices_are_errors_and_leave_the_pool_untouched(bad):
     np.testing.assert_array_equal(np.asarray(cache.k), before)
 
 
-@pytest.mark.parametrize("cfg", [CFG, BIASED], ids=["tied", "bias-untied-odd-dims"])
 @pytest.mark.parametrize("with_bank", [False, True])
-def test_native_projections_in_prefill_chunks_match_xla(cfg, with_bank):
-    """Chunks (C > 1) with native weights: the XLA forward with its base projections as native
-    matmuls read in place by layer; with a bank, the adapters' deltas on top (mode "all")."""
-    from adapter_factory import random_lora, random_reft
+def test_native_weights_leave_prefill_and_adapted_calls_to_xla(with_bank):
+    """Only a base-weights decode call (C == 1, no bank) is native: chunks (C > 1) and adapted calls
+    given native weights compile to the XLA program, with no native custom call in them."""
+    from adapter_factory import random_lora
     from preft_jax.adapters.bank import build_bank
     from preft_jax.adapters.config import PositionPolicy
-    model, _ = _model(cfg)
+    model, _ = _model(BIASED)
     runner = ModelRunner(model)
     native = native_decode.pack(model)
-    rng = np.random.default_rng(7)
-    _, batch, cache = _random_step(cfg, rng, R=4)
-    C = 5
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, C)), jnp.int32)
-    widx = np.full((4, C), cache.k.shape[2] * cache.k.shape[3], np.int32)        # dropped past the chunk
-    widx[:, :3] = (np.arange(12).reshape(4, 3) + (cache.k.shape[2] - 4) * cache.k.shape[3]).astype(np.int32)
-    ctx = np.minimum(np.asarray(batch.context_lens), batch.block_tables.shape[1] * 4 - C)
-    batch = PagedBatch(batch.block_tables, jnp.asarray(ctx), jnp.asarray([3, 3, 2, 0], jnp.int32), jnp.asarray(widx))
-    bank = ids = plens = None
+    _, batch, cache = _random_step(BIASED, np.random.default_rng(8), R=4)
+    R, C = 4, 3
+    tokens = jnp.asarray(np.random.default_rng(9).integers(0, BIASED.vocab_size, (R, C)), jnp.int32)
+    batch = PagedBatch(batch.block_tables, batch.context_lens % 8, jnp.full(R, C, jnp.int32),
+                       jnp.full((R, C), 10_000, jnp.int32))
+    bank = ids = None
     if with_bank:
-        pol = PositionPolicy(mode="all")
-        bank = build_bank(cfg, [random_lora(cfg, 1, policy=pol, targets=("q", "v", "o", "up")),
-                                random_reft(cfg, 2, policy=pol)])
-        ids, plens = jnp.asarray([1, 2, 0, 1], jnp.int32), jnp.full(4, 100, jnp.int32)
-    want, want_cache = paged_logits(runner.graphdef, runner.state, tokens, batch, jax.tree.map(jnp.copy, cache),
-                                    bank, ids, plens)
-    R = tokens.shape[0]
+        bank = build_bank(BIASED, [random_lora(BIASED, 1, policy=PositionPolicy(mode="all"), targets=("q", "up"))])
+        ids = jnp.asarray([1, 0, 1, 1], jnp.int32)
     samp = (jnp.zeros(R), jnp.ones(R), jnp.zeros(R, jnp.int32), jax.random.PRNGKey(0))
-    out, got_cache = paged_step(runner.graphdef, runner.state, tokens, batch, cache, bank, ids,
-                                jnp.ones(R, jnp.int32) if plens is None else plens, *samp, None, native,
-                                return_logits=True)
-    real = np.asarray(batch.chunk_lens) > 0
-    want, got = np.asarray(want)[real], np.asarray(out["logits"])[real]
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(want_cache.k), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(got_cache.v), np.asarray(want_cache.v), rtol=1e-5, atol=1e-5)
-
-
-def test_native_projections_are_native_calls():
-    """The native path's prefill program reads the packed stacks through the custom call, and no
-    longer scans over (copies slices of) the float32 projection weights."""
-    model, _ = _model(CFG)
-    runner = ModelRunner(model)
-    native = native_decode.pack(model)
-    _, batch, cache = _random_step(CFG, np.random.default_rng(8), R=4)
-    tokens = jnp.zeros((4, 3), jnp.int32)
-    batch = PagedBatch(batch.block_tables, batch.context_lens % 8, jnp.full(4, 3, jnp.int32),
-                       jnp.full((4, 3), 10_000, jnp.int32))
-    R = 4
-    samp = (jnp.zeros(R), jnp.ones(R), jnp.zeros(R, jnp.int32), jax.random.PRNGKey(0))
-    text = paged_step.lower(runner.graphdef, runner.state, tokens, batch, cache, None, None, jnp.ones(R, jnp.int32),
-                            *samp, None, native).as_text()
-    assert text.count("preft_packed_matmul") == 4                    # qkv, o, gate|up, down in the layer body
-    assert "preft_decode_step" not in text
+    args = (runner.graphdef, runner.state, tokens, batch, cache, bank, ids, jnp.full(R, 100, jnp.int32), *samp, None)
+    with_native = paged_step.lower(*args, native, return_logits=True).as_text()
+    assert "preft_" not in with_native
+    assert with_native == paged_step.lower(*args, None, return_logits=True).as_text()
+    decode = paged_step.lower(runner.graphdef, runner.state, tokens[:, :1], batch, cache, None, None,
+                              jnp.ones(R, jnp.int32), *samp, None, native).as_text()
+    assert "preft_decode_step" in decode
 
 
 def test_unsupported_reasons():
@@ -204,6 +177,28 @@ def test_unsupported_reasons():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
     assert "mesh" in native_decode.unsupported_reason(CFG, jnp.float32, mesh)
     assert native_decode.unsupported_reason(CFG, jnp.float32) == ""
+
+
+def test_unsupported_reasons_allow_list_every_config_field():
+    """Each ModelConfig field is either allowed with the values the native step implements or
+    named in the reason; a field the allow-list does not know (a new model feature) falls back."""
+    import dataclasses
+    from preft_jax.config import ModelConfig, RopeScaling
+    assert set(native_decode.NATIVE_FIELDS) == {f.name for f in dataclasses.fields(ModelConfig)}
+    assert native_decode.unsupported_reason(tiny_config(rope_scaling=RopeScaling()), jnp.float32) == ""
+    assert native_decode.unsupported_reason(BIASED, jnp.float32) == ""
+    assert native_decode.unsupported_reason(tiny_config(head_dim=15), jnp.float32) == (
+        "ModelConfig.head_dim = 15 (the native step implements even (rotate-half RoPE))")
+
+    class YarnScaling(RopeScaling):
+        pass
+    why = native_decode.unsupported_reason(tiny_config(rope_scaling=YarnScaling()), jnp.float32)
+    assert why.startswith("ModelConfig.rope_scaling = ")
+    Future = dataclasses.make_dataclass("Future", [("sliding_window", int, dataclasses.field(default=4096))],
+                                        bases=(ModelConfig,), frozen=True)
+    cfg = Future(**dataclasses.asdict(CFG))
+    assert native_decode.unsupported_reason(cfg, jnp.float32) == (
+        "ModelConfig.sliding_window is a model feature the native step does not implement")
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -232,10 +227,10 @@ def _engine_outputs(cpu_decode, mode):
 @pytest.mark.parametrize("mode", ["prefill", "all"])
 def test_engine_outputs_native_equal_xla(mode):
     """Mixed adapters and base requests, preemption forced. PreFT: every decode call one native call;
-    both modes: prefill chunks (and all-token decode) with native base projections."""
+    prefill chunks and all-token decode on XLA either way."""
     eng_n, native = _engine_outputs("native", mode)
     eng_x, xla = _engine_outputs("xla", mode)
-    assert eng_n.native is not None and eng_x.native is None
+    assert eng_n.step_runner.native is not None and eng_x.step_runner.native is None
     assert eng_n.scheduler.preemptions > 0                  # the small pool did force recompute
     assert native == xla
 
@@ -250,4 +245,4 @@ def test_engine_cpu_decode_choice():
         Engine(runner, AdapterRegistry(CFG, 0), EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64,
                                                               cpu_decode="native"))
     eng = Engine(runner, AdapterRegistry(CFG, 0), EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64))
-    assert eng.native is None                              # auto: bfloat16 stays on the XLA path
+    assert eng.step_runner.native is None                  # auto: bfloat16 stays on the XLA path

@@ -27,11 +27,19 @@ ADAPTERS = {"a": random_lora(CFG, 1), "b": random_reft(CFG, 2), "c": random_lora
             "d": random_lora(CFG, 4), "e": random_reft(CFG, 5, kind="direft"),
             "r1": random_reft(CFG, 6, policy=LAST1), "r2": random_lora(CFG, 7, policy=LAST1),
             "f2": random_lora(CFG, 8, policy=PositionPolicy(first_k=2))}
+CPU_DECODE = "auto"
 
 
 @pytest.fixture(scope="module")
 def runner():
     return ModelRunner(Llama.from_params(CFG, random_params(CFG, seed=0)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _decode_path(cpu_decode):
+    """Every test here runs over both CPU decode paths (conftest `cpu_decode`); `_engine` reads it."""
+    global CPU_DECODE
+    CPU_DECODE = cpu_decode
 
 
 def _sp(n):
@@ -50,7 +58,7 @@ def _engine(runner, mode="prefill", capacity=8, names=tuple(ADAPTERS), **kw):
     for n in names:
         reg.load(n, ADAPTERS[n])
     cfg = dict(max_num_seqs=4, max_model_len=64, max_prefill_seqs=2, max_num_batched_tokens=16, block_size=4,
-               mode=mode)
+               mode=mode, cpu_decode=CPU_DECODE)
     cfg.update(kw)
     return Engine(runner, reg, EngineConfig(**cfg))
 
@@ -143,9 +151,9 @@ def test_device_tiering_equals_everything_resident(runner):
 @pytest.mark.slow
 def test_prefill_rows_are_bucketed_so_one_prompt_computes_one_row(runner):
     eng = _engine(runner, max_num_seqs=8, max_prefill_seqs=6, max_num_batched_tokens=128)
-    assert eng.prefill_row_buckets == [1, 4, 6]
-    rows, call = [], eng._call
-    eng._call = lambda tokens, *a: rows.append(np.shape(tokens)) or call(tokens, *a)
+    assert eng.step_runner.prefill_row_buckets == [1, 4, 6]
+    rows = []
+    eng.step_runner.add_call_hook(lambda call, run: rows.append(call.tokens.shape) or run(call))
     reqs = _requests(8, n=6)
     got = _run(eng, reqs[:1]) + _run(eng, reqs[1:3]) + _run(eng, reqs)
     prefill_rows = [r for r, c in rows if c > 1]
@@ -199,7 +207,7 @@ def test_adapter_dir_tier_found_by_name_changed_and_broken_folders(runner, tmp_p
     (root / "broken" / "adapter_config.json").write_text("{not json")
     reg = AdapterRegistry(CFG, 1, lora_rank=4, reft_rank=4, adapter_dir=root, host_cache_bytes=1)
     eng = Engine(runner, reg, EngineConfig(max_num_seqs=2, max_model_len=64, max_prefill_seqs=2,
-                                           max_num_batched_tokens=16, block_size=4))
+                                           max_num_batched_tokens=16, block_size=4, cpu_decode=CPU_DECODE))
     p = [5, 6, 7, 8, 9]
     out = {n: _run(eng, [(p, n, 5)])[0] for n in ("x0", "x1", "x2")}
     for i, n in enumerate(("x0", "x1", "x2")):

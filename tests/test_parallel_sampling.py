@@ -78,7 +78,7 @@ def test_one_prefill_shared_blocks_copy_on_write_and_replay(runner, mode):
     assert [r.request_id for r in reqs] == [f"{reqs[0].request_id[:-2]}-{i}" for i in range(3)]
     while not reqs[0].tokens:                       # until the prefill ends and the three fork
         eng.step()
-    seqs = [eng._seqs[r] for r in reqs]
+    seqs = [eng.sequence(r) for r in reqs]
     assert eng.metrics.prompt_tokens == len(PROMPT)  # prefilled once
     assert all(len(r.tokens) == 1 for r in reqs)     # each drew its first token from that prefill
     blocks = [s.blocks for s in seqs]

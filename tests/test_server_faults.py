@@ -451,3 +451,34 @@ def _stream_raw(url, body, headers) -> str:
             return "".join(r.iter_text())
     except httpx.HTTPError as e:
         return f"closed: {type(e).__name__}"
+
+
+@pytest.mark.slow
+def test_first_adapter_request_and_sigterm_during_background_warmup(adapter_root, tmp_path):
+    """Issue 23: the first adapter request during the background warm-up (its upload donates the
+    bank) leaves the warm-up running to the end; SIGTERM during the warm-up (exit handler and
+    lifespan hook both shut the engine down) exits cleanly, every time."""
+    args = ["--max-num-seqs", "2", "--max-model-len", "64", "--max-prefill-seqs", "1", "--max-num-batched-tokens", "16",
+            "--block-size", "16", "--lora-rank", "4", "--reft-rank", "4", "--max-device-adapters", "2",
+            "--adapter", f"lora-a={adapter_root / 'lora-a'}"]
+    srv = Server(args, tmp_path / "warm.log")
+    try:
+        assert _health(srv)["warmup_pending"] > 0                          # still warming up
+        r = _post(srv, "/v1/completions", {"model": "lora-a", "prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 600
+        while (h := _health(srv))["warmup_pending"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert h["warmup_pending"] == 0 and h["warmup_failed"] == 0, h
+    finally:
+        srv.stop()
+    log = (tmp_path / "warm.log").read_text()
+    assert "warm-up" not in log and "Traceback" not in log, log[-3000:]
+    for i in range(2):
+        srv = Server(args, tmp_path / f"term{i}.log")
+        assert _health(srv)["warmup_pending"] > 0
+        srv.stop()                                                         # SIGTERM, mid warm-up
+        log = (tmp_path / f"term{i}.log").read_text()
+        assert srv.proc.returncode == 0, (srv.proc.returncode, log[-3000:])
+        for bad in ("Traceback", "AttributeError", "shutdown failed"):
+            assert bad not in log, log[-3000:]

@@ -32,14 +32,14 @@ COMMON = textwrap.dedent(r"""
         st, bank = eng.runner.state, eng.registry.bank
         placed = {"wq": st["layers"]["wq"].sharding.spec, "wk": st["layers"]["wk"].sharding.spec,
                   "w_up": st["layers"]["w_up"].sharding.spec, "w_down": st["layers"]["w_down"].sharding.spec,
-                  "embed": st["embed"].sharding.spec, "cache_k": eng.cache.k.sharding.spec,
+                  "embed": st["embed"].sharding.spec, "cache_k": eng.step_runner.cache.k.sharding.spec,
                   "lora_B_q": bank.lora_B["q"].sharding.spec, "lora_A_o": bank.lora_A["o"].sharding.spec,
                   "lora_B_up": bank.lora_B["up"].sharding.spec, "reft_R": bank.reft_R.sharding.spec}
         cfg, mesh = eng.runner.cfg, eng.mesh
         declared = shd.model_state_shardings(st, mesh, cfg)
         same = all(a.sharding == b for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(declared)))
-        same &= all(a.sharding == b for a, b in zip(jax.tree.leaves(eng.cache),
-                                                      jax.tree.leaves(shd.cache_shardings(eng.cache, mesh, cfg))))
+        same &= all(a.sharding == b for a, b in zip(jax.tree.leaves(eng.step_runner.cache),
+                                                      jax.tree.leaves(shd.cache_shardings(eng.step_runner.cache, mesh, cfg))))
         same &= all(a.sharding == b for a, b in zip(jax.tree.leaves(bank),
                                                       jax.tree.leaves(shd.bank_shardings(bank, mesh, cfg))))
         return {k: str(v) for k, v in placed.items()}, bool(same)

@@ -4,7 +4,7 @@ because XLA:CPU runs a decode step's small-M matmuls well below this CPU's float
 
     pack_panels(w [..., K, N]) -> [..., P, K, 48]           once, at load (P = ceil(N / 48))
     packed_matmul(x [..., K], w_packed, n, layer=None) -> [..., n]   one matrix, or layer `layer` of a
-                                                              stack read in place (prefill projections)
+                                                              stack read in place (benchmarks.gemm_floor)
     decode_step(h, block_tables, context_lens, chunk_lens, write_index, inv_freq, weights, final_norm,
                 lm_head, vocab_size, k_pool, v_pool, eps) -> (logits, greedy, k_pool, v_pool)
     packed_matmul_reference(x, w_packed, n, layer=None)       plain jnp, the same contract

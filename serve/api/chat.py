@@ -25,7 +25,7 @@ def _encoder(tokenizer):
 async def chat_completions(request: Request):
     ctx = api_context(request)
     body, adapter = await ctx.read(request)
-    n = protocol.n_choices(body, ctx.engine.config.max_num_seqs)
+    n = protocol.n_choices(body)
     k_lp = protocol.chat_logprobs(body)
     msgs = protocol.chat_messages(body)
     ctx.precheck(sum(len(m["content"].encode("utf-8")) for m in msgs), "the conversation",
@@ -33,7 +33,7 @@ async def chat_completions(request: Request):
     prompt_ids = await ctx.tokenize(_encoder(ctx.tokenizer), msgs)
     max_tokens = protocol.max_tokens(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS,
                                      len(prompt_ids), ctx.max_len)
-    sp = protocol.sampling(body, max_tokens, ctx.default_stop, ctx.vocab, logprobs=k_lp)
+    sp = protocol.sampling(body, max_tokens, ctx.default_stop, logprobs=k_lp)
     stop = protocol.stop_strings(body)
     reqs, sink = await ctx.submit(request, [prompt_ids], adapter, [sp], stop, n)
     fmt = ChatFormat(body["model"], ctx.tokenizer, ctx.token_text, prompt_ids, len(reqs), k_lp)

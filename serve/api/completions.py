@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from serve import protocol
+from serve import protocol, validation
 from serve.api.common import api_context
 from serve.api.formatting import CompletionFormat
 from serve.protocol import BadRequest
@@ -21,7 +21,7 @@ async def completions(request: Request):
     if body.get("suffix"):
         raise BadRequest("'suffix' is not supported", "suffix")
     raw_prompts = protocol.completion_prompts(body)
-    n = protocol.n_choices(body, ctx.engine.config.max_num_seqs, len(raw_prompts))
+    n = protocol.n_choices(body, len(raw_prompts))
     k_lp = protocol.completion_logprobs(body)
     stop = protocol.stop_strings(body)
     tokenizer = ctx.tokenizer
@@ -31,11 +31,11 @@ async def completions(request: Request):
             ctx.precheck(len(prompt.encode("utf-8")), "prompt")
             ids = await ctx.tokenize(tokenizer.encode, prompt)
         else:
-            ids = prompt
+            ids = validation.prompt_ids(prompt, ctx.vocab)     # before any echo decodes them
         prompts.append(ids)
         prompt_texts.append(prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if echo else ""))
         max_tokens = protocol.max_tokens(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, len(ids), ctx.max_len)
-        sps.append(protocol.sampling(body, max_tokens, ctx.default_stop, ctx.vocab, logprobs=k_lp,
+        sps.append(protocol.sampling(body, max_tokens, ctx.default_stop, logprobs=k_lp,
                                      prompt_logprobs=k_lp if echo else None))
     reqs, sink = await ctx.submit(request, prompts, adapter, sps, stop, n)
     fmt = CompletionFormat(body["model"], tokenizer, ctx.token_text, prompts, prompt_texts, n, echo, k_lp)

@@ -1,0 +1,419 @@
+"""The engine's device side (vLLM v1's "model runner"): it owns the paged KV pool, the choice of the
+native CPU decode path, the shape buckets, the packing of scheduled work into host arrays, and every
+jitted call. The loop (serve/engine.py) decides what runs; the scheduler never touches the device.
+
+    runner = StepRunner(model_runner, registry, config, num_blocks)
+    out = runner.run(runner.prefill_call(chunks))      # one prefill call, dispatched (asynchronous)
+    step = runner.dispatch_decode(seqs)                # one decode call over the persistent decode rows
+    step = runner.dispatch_decode(seqs, after=step)    # pipelined: input tokens stay on the device
+    host = to_host(step.out)                           # the one host transfer of a call
+    token_entry(host, r, k), prompt_entry(host, r, j, k)   # decoding its log-prob arrays
+    runner.sample_forks(logits, row, seqs, logprobs)   # n > 1: first tokens from one prefill's logits
+    runner.copy_blocks(copies)                         # copy-on-write of shared partial blocks
+    runner.cache_lost(); runner.reset_cache()          # after a failed call consumed the donated pool
+    runner.compile_prefill / compile_decode / compile_forks   # warm-up (serve/warmup.py)
+
+Every `paged_step` call is a `StepCall` (its arguments, already on the device) run by `run(call)`;
+`add_call_hook(hook)` wraps that (benchmarks record and replay the calls, tests inject faults) and
+`run_on(call, cache)` runs one on any KV pool (a replay).
+
+Decode rows are persistent (vLLM's persistent input batch): a running sequence keeps its decode row
+from its first decode call until it leaves the batch, and `DecodeRows` keeps every row's inputs in
+numpy buffers updated in place (its position, the block-table entries it gained, its token index),
+not rebuilt from the sequences' lists each step. A pipelined call (`after=`) therefore finds each
+row's input token at the same row of the previous call's output, on the device.
+
+Bank and KV pool are read when a call is built, never captured earlier: an adapter upload replaces
+(donates) the bank and a failed call can replace the pool.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from preft_jax import native_decode
+from preft_jax import sharding as shd
+from preft_jax.generation import ModelRunner
+from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
+from preft_jax.paged_step import copy_blocks, paged_step, sample_rows, sharded_paged_step
+from serve.engine_config import EngineConfig
+from serve.kv_blocks import NULL_BLOCK
+from serve.registry import AdapterRegistry
+from serve.scheduler import Chunk, Sequence
+
+log = logging.getLogger("serve.step_runner")
+
+
+def pow_buckets(lo: int, hi: int, base: int = 2) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= base
+    out.append(hi)
+    return sorted(set(out))
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
+
+
+def to_host(out) -> dict:
+    """A call's device output -> numpy arrays (tokens and, when present, log-prob arrays)."""
+    if not isinstance(out, dict):
+        return {"tokens": np.asarray(out)}
+    return {k: np.asarray(v) for k, v in out.items() if k != "logits"}
+
+
+def token_entry(host: dict, r: int, k: int | None):
+    """Row r's log-prob entry (logprob, [(id, logprob)] * k), or None when not asked for."""
+    if k is None or "logprob" not in host:
+        return None
+    return (float(host["logprob"][r]),
+            [(int(i), float(v)) for i, v in zip(host["top_ids"][r, :k], host["top_values"][r, :k])])
+
+
+def prompt_entry(host: dict, r: int, j: int, k: int):
+    """Row r's prompt log-prob entry at chunk position j: the prompt token at j + 1 given the ones before."""
+    return (float(host["prompt_logprob"][r, j]),
+            [(int(i), float(v)) for i, v in zip(host["prompt_top_ids"][r, j, :k], host["prompt_top_values"][r, j, :k])])
+
+
+_column = jax.jit(lambda tokens: tokens[:, None])         # a decode call's tokens [R] -> the next call's [R, 1]
+
+
+def _tokens_of(out):
+    return out["tokens"] if isinstance(out, dict) else out
+
+
+@dataclasses.dataclass
+class StepCall:
+    """The arguments of one `paged_step` call, on the device (`tokens` may be an earlier call's output)."""
+    tokens: jax.Array                    # int32 [R, C] (C == 1: decode)
+    batch: PagedBatch
+    bank: object                         # AdapterBank, or None: base weights
+    adapter_ids: jax.Array               # int32 [R] (unused without a bank)
+    prompt_lens: jax.Array               # int32 [R]
+    sampling: tuple                      # per row: temperature, top_p, top_k, key data [R, 2], token index
+    native: object = None                # NativeWeights: this base-weights decode call runs natively
+    next_tokens: jax.Array | None = None  # int32 [R, C]: the prompt token each position predicts
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+    return_logits: bool = False
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """A dispatched decode call: `seqs[i]` is row `rows[i]` of `out` (device arrays, not read yet)."""
+    seqs: list[Sequence]
+    rows: np.ndarray
+    out: object
+
+
+class DecodeRows:
+    """The persistent decode batch: decode row -> running sequence, and every row's call inputs as
+    numpy buffers. A free row is padding (no attention, its write dropped)."""
+
+    def __init__(self, rows: int, max_blocks: int, block_size: int, drop_index: int):
+        self.size, self.block_size, self.drop = rows, block_size, drop_index
+        self.tokens = np.zeros((rows, 1), np.int32)
+        self.block_tables = np.full((rows, max_blocks), NULL_BLOCK, np.int32)
+        self.context_lens = np.zeros(rows, np.int32)
+        self.chunk_lens = np.zeros(rows, np.int32)
+        self.write_index = np.full((rows, 1), drop_index, np.int32)
+        self.prompt_lens = np.ones(rows, np.int32)
+        self.adapter_ids = np.zeros(rows, np.int32)
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_p = np.ones(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int32)
+        self.key_data = np.zeros((rows, 2), np.uint32)
+        self.counters = np.zeros(rows, np.int32)
+        self.row_of: dict[Sequence, int] = {}
+        self._admitted = [0] * rows          # the admission a row was filled for (re-admission: refill)
+        self._blocks = [0] * rows            # block-table entries written
+        self._free = list(range(rows))       # a heap: the lowest free row first
+        self.logprob_rows = 0                # rows that asked for log-probabilities
+
+    def update(self, seqs: list[Sequence], ahead: int) -> tuple[np.ndarray, int, bool]:
+        """Makes the rows hold exactly `seqs` at their next position (+ `ahead` tokens dispatched but
+        not yet seen). Returns (row of each sequence, block-table width needed, whether a row was filled)."""
+        row_of, bs = self.row_of, self.block_size
+        if len(row_of) != len(seqs) or any(s not in row_of for s in seqs):
+            live = set(seqs)
+            for s in [s for s in row_of if s not in live]:
+                self.release(s)
+        rows = np.empty(len(seqs), np.int32)
+        width, filled = 1, False
+        for i, s in enumerate(seqs):
+            r = row_of.get(s)
+            if r is None or self._admitted[r] != s.admitted_at:
+                if r is not None:
+                    self.release(s)
+                r = self._fill(s)
+                filled = True
+            p = s.num_computed + ahead
+            blocks, b = s.blocks, p // bs
+            if len(blocks) > self._blocks[r]:              # blocks gained since the last call
+                self.block_tables[r, self._blocks[r]:len(blocks)] = blocks[self._blocks[r]:]
+                self._blocks[r] = len(blocks)
+            block = blocks[b]
+            self.block_tables[r, b] = block                # a copy-on-write replaces the written block
+            self.context_lens[r] = p
+            self.write_index[r, 0] = block * bs + p % bs
+            self.counters[r] = len(s.req.tokens) + ahead
+            if not ahead:
+                self.tokens[r, 0] = s.tokens[p]
+            width = max(width, b + 1)
+            rows[i] = r
+        return rows, width, filled
+
+    def _fill(self, s: Sequence) -> int:
+        r = heapq.heappop(self._free)
+        self.row_of[s] = r
+        self._admitted[r], self._blocks[r] = s.admitted_at, 0
+        self.chunk_lens[r], self.prompt_lens[r] = 1, s.plen
+        self.adapter_ids[r] = 0 if s.ref is None else s.ref.slot
+        sp = s.req.sampling
+        self.temperature[r], self.top_p[r], self.top_k[r] = sp.temperature, sp.top_p, sp.top_k
+        self.key_data[r] = s.req.key_data
+        self.logprob_rows += sp.logprobs is not None
+        return r
+
+    def release(self, s: Sequence) -> None:
+        """Frees the sequence's row (padding from now on)."""
+        r = self.row_of.pop(s)
+        self.logprob_rows -= s.req.sampling.logprobs is not None
+        self.block_tables[r, :self._blocks[r]] = NULL_BLOCK
+        self._blocks[r] = self._admitted[r] = 0
+        self.tokens[r, 0] = self.context_lens[r] = self.chunk_lens[r] = self.adapter_ids[r] = 0
+        self.write_index[r, 0], self.prompt_lens[r] = self.drop, 1
+        self.temperature[r], self.top_p[r], self.top_k[r], self.counters[r] = 0.0, 1.0, 0, 0
+        self.key_data[r] = 0
+        heapq.heappush(self._free, r)
+
+    def clear(self) -> None:
+        for s in list(self.row_of):
+            self.release(s)
+
+
+class StepRunner:
+    """See the module docstring. `mesh` comes with `model` (ModelRunner.with_mesh): the pool, the
+    bank and every call are then placed by their declared logical axes (preft_jax.sharding.RULES)
+    with explicit out_shardings, so the donated pool keeps its sharding (`cache_shardings`)."""
+
+    def __init__(self, model: ModelRunner, registry: AdapterRegistry, config: EngineConfig, num_blocks: int):
+        self.model, self.registry, self.config = model, registry, config
+        self.num_blocks, self.block_size = num_blocks, config.block_size
+        self.mesh = model.mesh
+        cfg, bs = model.cfg, config.block_size
+        self.drop_index = num_blocks * bs                   # a write here is dropped (padding)
+        self._step_fn, self.cache_shardings = paged_step, None
+        if self.mesh is not None:
+            abstract = jax.eval_shape(lambda: PagedKVCache.create(cfg, num_blocks, bs, model.dtype))
+            self.cache_shardings = shd.cache_shardings(abstract, self.mesh, cfg)
+            self._step_fn = sharded_paged_step(self.mesh, self.cache_shardings)
+            if registry.bank is not None:
+                registry.place(shd.bank_shardings(registry.bank, self.mesh, cfg))
+        self.cache = self.new_cache()
+        self.decode_attention = choose_attention(cfg, bs)
+        self.native = self._native_weights()
+        max_blocks = -(-config.max_model_len // bs)
+        self.block_buckets = pow_buckets(1, max_blocks)               # decode: every step, fine buckets
+        self.prefill_block_buckets = pow_buckets(1, max_blocks, 4)    # prefill context: coarser
+        self.prefill_row_buckets = pow_buckets(1, config.max_prefill_seqs, 4)
+        self.chunk_buckets = pow_buckets(min(config.min_chunk, config.max_num_batched_tokens),
+                                         min(config.max_num_batched_tokens, config.max_model_len))
+        self.fork_buckets = pow_buckets(1, config.max_num_seqs)
+        self.rows = DecodeRows(config.max_num_seqs, max_blocks, bs, self.drop_index)
+        self._run: Callable[[StepCall], object] = self._execute
+
+    # ---- the KV pool and the native path ---------------------------------------------------
+    def new_cache(self) -> PagedKVCache:
+        """The paged KV pool, created in place on the mesh (never whole on one device first)."""
+        cfg, nb, bs, dt = self.model.cfg, self.num_blocks, self.block_size, self.model.dtype
+        if self.mesh is None:
+            return PagedKVCache.create(cfg, nb, bs, dt)
+        return jax.jit(lambda: PagedKVCache.create(cfg, nb, bs, dt), out_shardings=self.cache_shardings)()
+
+    def cache_lost(self) -> bool:
+        """Whether a failed call consumed the (donated) KV pool."""
+        try:
+            return self.cache.k.is_deleted() or self.cache.v.is_deleted()
+        except Exception:  # noqa: BLE001
+            return True
+
+    def reset_cache(self) -> None:
+        """A fresh pool; every decode row is freed (their sequences are recomputed)."""
+        self.rows.clear()
+        self.cache = self.new_cache()
+
+    def _native_weights(self):
+        """The packed weights of the native CPU decode step (preft_jax.native_decode), or None: "auto"
+        takes it where it can serve (one CPU device, float32, a model whose every ModelConfig field it
+        implements, the library builds), "native" requires it. With them, every base-weights decode
+        call (base and PreFT engines) is one native call; prefill and all-token decode stay XLA's."""
+        choice = self.config.cpu_decode
+        if choice == "xla":
+            return None
+        why = (f"the default backend is {jax.default_backend()}" if jax.default_backend() != "cpu"
+               else native_decode.unsupported_reason(self.model.cfg, self.model.dtype, self.mesh,
+                                                         self.model.quantization))
+        if why:
+            if choice == "native":
+                raise ValueError(f"cpu_decode='native' is unavailable: {why}")
+            log.info("decode on the XLA path: %s", why)
+            return None
+        return native_decode.pack(nnx.merge(self.model.graphdef, self.model.state))
+
+    # ---- calls -----------------------------------------------------------------------------
+    def add_call_hook(self, hook: Callable[[StepCall, Callable[[StepCall], object]], object]) -> None:
+        """Wraps every `paged_step` call of this runner: hook(call, run) must return run(call) (or
+        raise). Benchmarks record calls with it, tests inject failures."""
+        inner = self._run
+        self._run = lambda call: hook(call, inner)
+
+    def run(self, call: StepCall):
+        """Dispatches one call on this runner's pool (asynchronously): its device output."""
+        return self._run(call)
+
+    def _execute(self, call: StepCall):
+        out, self.cache = self.run_on(call, self.cache)
+        return out
+
+    def run_on(self, call: StepCall, cache: PagedKVCache):
+        """One call on `cache` (donated): (output, cache). The output is the sampled token ids, or a
+        dict of device arrays (`paged_step`) when the call asks for log-probabilities or logits."""
+        temp, top_p, top_k, key_data, counters = call.sampling
+        with self.model.mesh_context():
+            return self._step_fn(
+                self.model.graphdef, self.model.state, call.tokens, call.batch, cache, call.bank,
+                None if call.bank is None else call.adapter_ids, call.prompt_lens, temp, top_p, top_k,
+                (key_data, counters), call.next_tokens, call.native,
+                logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs, return_logits=call.return_logits)
+
+    def sampling_rows(self, seqs, n: int):
+        """(temperature, top_p, top_k, key data, token index) of `n` rows, the first from `seqs`; a
+        row's token index is the number of tokens its request has generated."""
+        temp, top_p, top_k = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32)
+        key_data, counters = np.zeros((n, 2), np.uint32), np.zeros(n, np.int32)
+        for i, s in enumerate(seqs):
+            sp = s.req.sampling
+            temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
+            key_data[i] = s.req.key_data
+            counters[i] = len(s.req.tokens)
+        return temp, top_p, top_k, key_data, counters
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def prefill_call(self, chunks: list[Chunk]) -> StepCall:
+        """The call for this step's prefill chunks (rows, chunk length and context bucketed); its
+        logits are returned too (forks sample from them)."""
+        bs = self.block_size
+        P = bucket(len(chunks), self.prefill_row_buckets)
+        C = bucket(max(ch.length for ch in chunks), self.chunk_buckets)
+        nb = bucket(max(1, max(-(-ch.start // bs) for ch in chunks)), self.prefill_block_buckets)
+        logprobs = any(ch.completes_prompt and ch.seq.req.sampling.logprobs is not None for ch in chunks)
+        prompt_logprobs = any(ch.seq.prompt_logprobs and ch.start + 1 < ch.seq.plen for ch in chunks)
+        return self._prefill(chunks, P, C, nb, logprobs, prompt_logprobs)
+
+    def _prefill(self, chunks: list[Chunk], P: int, C: int, nb: int, logprobs: bool, prompt_logprobs: bool):
+        bs = self.block_size
+        tokens = np.zeros((P, C), np.int32)
+        ctx, clen, plen = np.zeros(P, np.int32), np.zeros(P, np.int32), np.ones(P, np.int32)
+        widx = np.full((P, C), self.drop_index, np.int32)
+        ids = np.zeros(P, np.int32)
+        bt = np.full((P, nb), NULL_BLOCK, np.int32)
+        next_tokens = np.zeros((P, C), np.int32) if prompt_logprobs else None   # the token each position predicts
+        for r, ch in enumerate(chunks):
+            s = ch.seq
+            tokens[r, :ch.length] = s.tokens[ch.start:ch.start + ch.length]
+            ctx[r], clen[r], plen[r] = ch.start, ch.length, s.plen
+            pos = np.arange(ch.start, ch.start + ch.length)
+            widx[r, :ch.length] = np.asarray(s.blocks, np.int32)[pos // bs] * bs + pos % bs
+            ids[r] = 0 if s.ref is None else s.ref.slot
+            ctx_blocks = s.blocks[:-(-ch.start // bs)]
+            bt[r, :len(ctx_blocks)] = ctx_blocks
+            if next_tokens is not None:
+                nxt = s.tokens[ch.start + 1:ch.start + ch.length + 1]
+                next_tokens[r, :len(nxt)] = nxt
+        samp = self.sampling_rows([ch.seq for ch in chunks], P)
+        tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens = jax.device_put(
+            (tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens))
+        return StepCall(tokens, PagedBatch(bt, ctx, clen, widx, "gather"), self.registry.bank, ids, plen, samp,
+                        next_tokens=next_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                        return_logits=True)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def dispatch_decode(self, seqs: list[Sequence], after: DecodeStep | None = None) -> DecodeStep:
+        """One decode call for `seqs` (each at its next position), dispatched. With `after` (the
+        previous decode call, not yet seen by the host; `seqs` a subset of its sequences) each row's
+        input token is that call's output at the same row, and positions are one further."""
+        rows, width, filled = self.rows.update(seqs, 0 if after is None else 1)
+        if after is not None and filled:
+            raise RuntimeError("a pipelined decode call can only continue the previous call's rows")
+        tokens = None if after is None else _column(_tokens_of(after.out))
+        return DecodeStep(seqs, rows, self.run(self._decode(self.rows, bucket(width, self.block_buckets), tokens)))
+
+    def _decode(self, rows: DecodeRows, nb: int, tokens=None) -> StepCall:
+        """The call over every decode row (block tables `nb` wide); `tokens` on the device, or the rows'."""
+        all_token = self.config.mode == "all"
+        # copies: a transfer from host memory may read it after this returns (jax aliases numpy
+        # buffers on CPU), and the rows' buffers change before the next call
+        (host_tokens, bt, ctx, clen, widx, plen, ids, samp) = jax.device_put(jax.tree.map(np.copy, (
+            rows.tokens if tokens is None else None, rows.block_tables[:, :nb], rows.context_lens, rows.chunk_lens,
+            rows.write_index, rows.prompt_lens, rows.adapter_ids if all_token else None,
+            (rows.temperature, rows.top_p, rows.top_k, rows.key_data, rows.counters))))
+        bank = self.registry.bank if all_token else None
+        return StepCall(host_tokens if tokens is None else tokens,
+                        PagedBatch(bt, ctx, clen, widx, self.decode_attention), bank, ids, plen, samp,
+                        native=self.native if bank is None else None, logprobs=rows.logprob_rows > 0)
+
+    # ---- parallel samples and block copies -------------------------------------------------
+    def sample_forks(self, logits, row: int, seqs: list[Sequence], logprobs: bool, size: int | None = None):
+        """First tokens of `seqs` drawn from row `row` of a prefill call's `logits` (device output)."""
+        S = bucket(len(seqs), self.fork_buckets) if size is None else size
+        temp, top_p, top_k, key_data, counters = self.sampling_rows(seqs, S)
+        return sample_rows(logits, jnp.full(S, row, jnp.int32), jnp.asarray(temp), jnp.asarray(top_p),
+                           jnp.asarray(top_k), jnp.asarray(key_data), jnp.asarray(counters), logprobs=logprobs)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Device copies of shared partial blocks (copy-on-write), padded to one shape (0 -> 0)."""
+        src = np.zeros(self.config.max_num_seqs, np.int32)
+        dst = np.zeros(self.config.max_num_seqs, np.int32)
+        for i, (a, b) in enumerate(copies):
+            src[i], dst[i] = a, b
+        self.cache = copy_blocks(self.cache, jnp.asarray(src), jnp.asarray(dst))
+
+    # ---- compiling every shape (serve/warmup.py) -------------------------------------------
+    def prefill_buckets(self) -> list[tuple[int, int, int]]:
+        """(rows, chunk length, block-table width) of every prefill call shape."""
+        return [(P, C, nb) for P in self.prefill_row_buckets for C in self.chunk_buckets
+                for nb in self.prefill_block_buckets]
+
+    def compile_prefill(self, P: int, C: int, nb: int, logprobs: bool = False, prompt_logprobs: bool = False):
+        """Runs the prefill program of this shape on padding rows (every write dropped); returns its logits."""
+        return jax.block_until_ready(self.run(self._prefill([], P, C, nb, logprobs, prompt_logprobs))["logits"])
+
+    def compile_decode(self, nb: int, logprobs: bool = False) -> None:
+        """Runs the decode program with `nb`-wide block tables on padding rows, and the pipelined
+        hand-over of its tokens."""
+        pad = DecodeRows(self.config.max_num_seqs, nb, self.block_size, self.drop_index)
+        pad.logprob_rows = int(logprobs)
+        jax.block_until_ready(_column(_tokens_of(self.run(self._decode(pad, nb)))))
+
+    def compile_forks(self, S: int, logits, logprobs: bool = False) -> None:
+        """Runs the fork sampler for S samples from `logits` [P, V]."""
+        jax.block_until_ready(self.sample_forks(logits, 0, [], logprobs, size=S))
+
+    def compile_copies(self) -> None:
+        """Runs the block-copy program (no copies: block 0 onto itself)."""
+        self.copy_blocks([])
+        jax.block_until_ready(self.cache.k)

@@ -1,0 +1,84 @@
+"""What a request must satisfy before the engine queues it: every rule that depends on the model
+or the engine (vocabulary, context length, KV pool, rows, tokenizer), defined here once and checked
+once, at submit (`Engine.submit_n`, `Engine.generate`), before anything is queued or referenced.
+
+Who owns which rule:
+* sampling fields on their own (types, finiteness, ranges: temperature >= 0, top_p in (0, 1], ...):
+  `preft_jax.sampling.SamplingParams` (raises `SamplingError` naming the field);
+* the OpenAI request body (JSON shapes and types, API-only limits such as temperature <= 2,
+  prompts x n per request, stop-string counts): serve/protocol.py;
+* everything below: here. Each raises a `RequestError` (HTTP 400; `PromptTooLongError` for the
+  context) naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+from preft_jax.sampling import SamplingParams, shown
+from serve.errors import PromptTooLongError, RequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What an engine can represent (`Engine.limits`)."""
+    vocab_size: int
+    max_model_len: int                   # prompt + generated tokens
+    max_num_seqs: int                    # decode rows: the most completions of one prompt (n)
+    kv_tokens: int                       # tokens the KV pool holds
+    fits_ever: Callable[[int], bool]     # whether a sequence of that many tokens can ever be held (scheduler)
+    has_tokenizer: bool                  # stop strings need one
+
+
+def prompt_ids(ids, vocab_size: int) -> list[int]:
+    """Token ids as ints in [0, vocab_size) (a non-empty prompt)."""
+    try:
+        ids = [int(t) for t in ids]
+    except (TypeError, ValueError, OverflowError):
+        raise RequestError("prompt token ids must be integers", "prompt") from None
+    if not ids:
+        raise RequestError("prompt is empty", "prompt")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    return ids
+
+
+def check_request(limits: RequestLimits, ids, sampling: SamplingParams, stop=(), n: int = 1,
+                  timeout: float | None = None, events: Sequence | None = None) -> tuple[list[int], tuple[str, ...]]:
+    """Checks one submission (`n` completions of a prompt); returns (prompt ids, stop strings)."""
+    if not isinstance(sampling, SamplingParams):
+        raise RequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+    vocab = limits.vocab_size
+    ids = prompt_ids(ids, vocab)
+    if sampling.top_k > vocab:
+        raise RequestError(f"top_k must be in [0, {vocab}] (the vocabulary size), got {sampling.top_k}", "top_k")
+    bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
+    if bad_stop:
+        raise RequestError(f"stop token ids must be < {vocab} (negative: none), got {bad_stop}")
+    limit = limits.max_model_len
+    if len(ids) >= limit:
+        raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context length is {limit} "
+                                 f"tokens (prompt + at least 1 generated token)", "prompt")
+    if len(ids) + sampling.max_new_tokens > limit:
+        raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_tokens={sampling.max_new_tokens} "
+                                 f"exceeds the context length {limit}; ask for at most "
+                                 f"{limit - len(ids)} tokens", "max_tokens")
+    if not limits.fits_ever(len(ids) + sampling.max_new_tokens):
+        raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_tokens={sampling.max_new_tokens} "
+                                 f"can never fit the KV cache ({limits.kv_tokens} tokens)", "max_tokens")
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not all(isinstance(s, str) for s in stop):
+        raise RequestError("stop strings must be strings", "stop")
+    stop = tuple(s for s in stop if s)
+    if stop and not limits.has_tokenizer:
+        raise RequestError("stop strings need an engine with a tokenizer", "stop")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_num_seqs:
+        raise RequestError(f"n must be an integer in [1, {limits.max_num_seqs}] (the engine's "
+                           f"max_num_seqs), got {shown(n)}", "n")
+    if events is not None and len(events) != n:
+        raise RequestError(f"events: need one sink per completion ({n}), got {len(events)}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise RequestError(f"timeout must be a positive number of seconds, got {timeout}", "timeout")
+    return ids, stop
