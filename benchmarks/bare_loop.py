@@ -4,12 +4,12 @@
     python -m benchmarks.bare_loop --model tiny --rows 64       # host overhead per step, tiny model
 
 Workload: 32 requests (`--rows`: the decode rows, one per request) x 16 random prompt tokens -> 32
-greedy tokens, all submitted at once (the vLLM-peer workload, benchmarks/peer.py). Each engine run records every `preft_jax.paged_step` call
-the engine makes (`StepRunner.add_call_hook`: each call's `StepCall`, its arguments already on the
-device: tokens, PagedBatch, bank, adapter ids, sampling rows). The bare
-loop then replays exactly those calls back to back - the same shapes, the same number of calls,
-inputs already on the device, one final `block_until_ready` - with no scheduler, no block tables
-built, no token handling: the device time the engine cannot go below. Ratio = engine tok/s / bare
+greedy tokens, all submitted at once (the vLLM-peer workload, benchmarks/peer.py). Each engine
+run records every jitted step call the engine makes (`StepRunner.add_call_hook`: each call object,
+its arguments already on the device). The bare loop then replays exactly those calls back to back
+(`StepRunner.run_on`) - the same shapes, the same number of calls, inputs already on the device,
+one final `block_until_ready` - with no scheduler, no block tables built, no token handling: the
+device time the engine cannot go below. Ratio = engine tok/s / bare
 tok/s (same tokens), per repeat, recorded and replayed in the same repeat.
 
 Variants (round-robin): base and PreFT-LoRA (8 PEFT LoRA folders, rank 16 q/k/v/o, mode prefill),
@@ -73,7 +73,7 @@ class Recorder:
     def staged(self):
         """The recorded calls (ready on the device), and a fresh start."""
         out, self.calls = self.calls, []
-        jax.block_until_ready([(c.tokens, c.batch, c.sampling) for c in out])
+        jax.block_until_ready([c.arrays() for c in out])
         return out
 
 

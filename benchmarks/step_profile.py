@@ -120,9 +120,9 @@ def main(argv=None) -> int:
     log("\n| per-call device time, median ms (min-max over repeats) | " + " | ".join(cols) + " |")
     log("|---|" + "---:|" * len(cols))
     cell = lambda xs: f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
-    log(f"| prefill ({staged[0].tokens.shape[0]} rows x {staged[0].tokens.shape[1]}) | "
+    log(f"| prefill ({staged[0].rows} rows x {staged[0].chunk}) | "
         + " | ".join(cell(runs[k][:, 0]) for k in cols) + " |")
-    log(f"| decode step ({staged[-1].tokens.shape[0]} rows), median of {len(staged) - 1} | "
+    log(f"| decode step ({staged[-1].rows} rows), median of {len(staged) - 1} | "
         + " | ".join(cell([statistics.median(r[1:]) for r in runs[k]]) for k in cols) + " |")
     log(f"| all {len(staged)} calls | " + " | ".join(cell(runs[k].sum(1)) for k in cols) + " |")
     if len(cols) > 1:

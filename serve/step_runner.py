@@ -13,15 +13,18 @@ jitted call. The loop (serve/engine.py) decides what runs; the scheduler never t
     runner.cache_lost(); runner.reset_cache()          # after a failed call consumed the donated pool
     runner.compile_prefill / compile_decode / compile_forks   # warm-up (serve/warmup.py)
 
-Every `paged_step` call is a `StepCall` (its arguments, already on the device) run by `run(call)`;
-`add_call_hook(hook)` wraps that (benchmarks record and replay the calls, tests inject faults) and
-`run_on(call, cache)` runs one on any KV pool (a replay).
+Every jitted step is a call object, `PrefillCall` or `DecodeCall` (its arguments, already on the
+device; `rows`, `chunk` and `width` give its shape), run by `run(call)`; `add_call_hook(hook)` wraps
+that (benchmarks record and replay the calls, tests inject faults) and `run_on(call, cache)` runs one
+on any KV pool (a replay).
 
 Decode rows are persistent (vLLM's persistent input batch): a running sequence keeps its decode row
 from its first decode call until it leaves the batch, and `DecodeRows` keeps every row's inputs in
-numpy buffers updated in place (its position, the block-table entries it gained, its token index),
-not rebuilt from the sequences' lists each step. A pipelined call (`after=`) therefore finds each
-row's input token at the same row of the previous call's output, on the device.
+one int32 host buffer updated in place (its position, the block-table entries it gained, its token
+index), not rebuilt from the sequences' lists each step. A decode call is that buffer in one
+transfer (`decode_step` unpacks it on the device) plus the previous call's output tokens: a row
+marked "from previous" takes its input token from the same row of that output, on the device, so a
+pipelined call (`after=`) needs nothing from the host but the buffer.
 
 Bank and KV pool are read when a call is built, never captured earlier: an adapter upload replaces
 (donates) the bank and a failed call can replace the pool.
@@ -29,6 +32,7 @@ Bank and KV pool are read when a call is built, never captured earlier: an adapt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import logging
 from typing import Callable
@@ -88,27 +92,95 @@ def prompt_entry(host: dict, r: int, j: int, k: int):
             [(int(i), float(v)) for i, v in zip(host["prompt_top_ids"][r, j, :k], host["prompt_top_values"][r, j, :k])])
 
 
-_column = jax.jit(lambda tokens: tokens[:, None])         # a decode call's tokens [R] -> the next call's [R, 1]
-
-
 def _tokens_of(out):
     return out["tokens"] if isinstance(out, dict) else out
 
 
+# Columns of a decode row in `DecodeRows.buffer` (int32; floats and key data stored as their bits),
+# then the row's block table.
+TOKEN, FROM_PREV, CONTEXT, CHUNK, WRITE, PROMPT, ADAPTER, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(12)
+BLOCKS = KEY + 2
+
+
+def _decode_step(graphdef, state, packed, prev_tokens, cache, bank, native, *, attention: str, logprobs: bool):
+    """`paged_step` for one decode call given as its `DecodeRows` buffer (`packed` int32 [R, BLOCKS +
+    width]) and the previous decode call's output tokens [R] (rows marked FROM_PREV take theirs)."""
+    col = lambda c: packed[:, c]                                                 # noqa: E731
+    bits = lambda c, dtype: jax.lax.bitcast_convert_type(packed[:, c], dtype)    # noqa: E731
+    tokens = jnp.where(col(FROM_PREV) > 0, prev_tokens, col(TOKEN))[:, None]
+    batch = PagedBatch(packed[:, BLOCKS:], col(CONTEXT), col(CHUNK), packed[:, WRITE:WRITE + 1], attention)
+    return paged_step(graphdef, state, tokens, batch, cache, bank, None if bank is None else col(ADAPTER),
+                      col(PROMPT), bits(TEMPERATURE, jnp.float32), bits(TOP_P, jnp.float32), col(TOP_K),
+                      (bits(slice(KEY, KEY + 2), jnp.uint32), col(COUNTER)), None, native, logprobs=logprobs)
+
+
+_DECODE_STATIC = dict(static_argnums=0, static_argnames=("attention", "logprobs"), donate_argnames=("cache",))
+decode_step = jax.jit(_decode_step, **_DECODE_STATIC)
+
+
+@functools.lru_cache(maxsize=16)
+def sharded_decode_step(mesh, k_spec, v_spec):
+    """`decode_step` on a mesh: tokens replicated, the donated pool kept in its declared sharding."""
+    named = functools.partial(jax.sharding.NamedSharding, mesh)
+    return jax.jit(_decode_step, **_DECODE_STATIC,
+                   out_shardings=(named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec))))
+
+
 @dataclasses.dataclass
-class StepCall:
-    """The arguments of one `paged_step` call, on the device (`tokens` may be an earlier call's output)."""
-    tokens: jax.Array                    # int32 [R, C] (C == 1: decode)
+class PrefillCall:
+    """The arguments of one prefill `paged_step` call (chunks of C > 1 tokens per row), on the device."""
+    tokens: jax.Array                    # int32 [R, C]
     batch: PagedBatch
     bank: object                         # AdapterBank, or None: base weights
-    adapter_ids: jax.Array               # int32 [R] (unused without a bank)
+    adapter_ids: jax.Array               # int32 [R]
     prompt_lens: jax.Array               # int32 [R]
     sampling: tuple                      # per row: temperature, top_p, top_k, key data [R, 2], token index
-    native: object = None                # NativeWeights: this base-weights decode call runs natively
     next_tokens: jax.Array | None = None  # int32 [R, C]: the prompt token each position predicts
     logprobs: bool = False
     prompt_logprobs: bool = False
-    return_logits: bool = False
+    return_logits: bool = True
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def width(self) -> int:
+        return self.batch.block_tables.shape[1]
+
+    def arrays(self) -> tuple:
+        return self.tokens, self.batch, self.adapter_ids, self.prompt_lens, self.sampling, self.next_tokens
+
+
+@dataclasses.dataclass
+class DecodeCall:
+    """The arguments of one decode call (one token per row), on the device: the rows' buffer and the
+    tokens of the decode call before (used by the rows marked FROM_PREV)."""
+    packed: jax.Array                    # int32 [R, BLOCKS + width] (`DecodeRows` layout)
+    prev_tokens: jax.Array               # int32 [R]
+    bank: object                         # mode "all": the adapter bank; else None (base weights)
+    native: object                       # NativeWeights: the call runs natively (base weights only)
+    attention: str
+    logprobs: bool = False
+    chunk = 1
+
+    @property
+    def rows(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.packed.shape[1] - BLOCKS
+
+    def arrays(self) -> tuple:
+        return self.packed, self.prev_tokens
+
+
+StepCall = PrefillCall | DecodeCall
 
 
 @dataclasses.dataclass
@@ -125,18 +197,15 @@ class DecodeRows:
 
     def __init__(self, rows: int, max_blocks: int, block_size: int, drop_index: int):
         self.size, self.block_size, self.drop = rows, block_size, drop_index
-        self.tokens = np.zeros((rows, 1), np.int32)
-        self.block_tables = np.full((rows, max_blocks), NULL_BLOCK, np.int32)
-        self.context_lens = np.zeros(rows, np.int32)
-        self.chunk_lens = np.zeros(rows, np.int32)
-        self.write_index = np.full((rows, 1), drop_index, np.int32)
-        self.prompt_lens = np.ones(rows, np.int32)
-        self.adapter_ids = np.zeros(rows, np.int32)
-        self.temperature = np.zeros(rows, np.float32)
-        self.top_p = np.ones(rows, np.float32)
-        self.top_k = np.zeros(rows, np.int32)
-        self.key_data = np.zeros((rows, 2), np.uint32)
-        self.counters = np.zeros(rows, np.int32)
+        self.buffer = np.zeros((rows, BLOCKS + max_blocks), np.int32)      # NULL_BLOCK == 0: empty tables
+        b = self.buffer                                                      # views into it, by column
+        self.tokens, self.from_prev, self.context_lens = b[:, TOKEN], b[:, FROM_PREV], b[:, CONTEXT]
+        self.chunk_lens, self.write_index, self.prompt_lens = b[:, CHUNK], b[:, WRITE], b[:, PROMPT]
+        self.adapter_ids, self.top_k, self.counters = b[:, ADAPTER], b[:, TOP_K], b[:, COUNTER]
+        self.temperature, self.top_p = b[:, TEMPERATURE].view(np.float32), b[:, TOP_P].view(np.float32)
+        self.key_data = b[:, KEY:KEY + 2].view(np.uint32)
+        self.block_tables = b[:, BLOCKS:]
+        self.write_index[:], self.prompt_lens[:], self.top_p[:] = drop_index, 1, 1.0   # padding rows
         self.row_of: dict[Sequence, int] = {}
         self._admitted = [0] * rows          # the admission a row was filled for (re-admission: refill)
         self._blocks = [0] * rows            # block-table entries written
@@ -168,10 +237,11 @@ class DecodeRows:
             block = blocks[b]
             self.block_tables[r, b] = block                # a copy-on-write replaces the written block
             self.context_lens[r] = p
-            self.write_index[r, 0] = block * bs + p % bs
+            self.write_index[r] = block * bs + p % bs
             self.counters[r] = len(s.req.tokens) + ahead
+            self.from_prev[r] = ahead                      # its token: the previous call's output
             if not ahead:
-                self.tokens[r, 0] = s.tokens[p]
+                self.tokens[r] = s.tokens[p]
             width = max(width, b + 1)
             rows[i] = r
         return rows, width, filled
@@ -192,12 +262,9 @@ class DecodeRows:
         """Frees the sequence's row (padding from now on)."""
         r = self.row_of.pop(s)
         self.logprob_rows -= s.req.sampling.logprobs is not None
-        self.block_tables[r, :self._blocks[r]] = NULL_BLOCK
+        self.buffer[r] = 0
         self._blocks[r] = self._admitted[r] = 0
-        self.tokens[r, 0] = self.context_lens[r] = self.chunk_lens[r] = self.adapter_ids[r] = 0
-        self.write_index[r, 0], self.prompt_lens[r] = self.drop, 1
-        self.temperature[r], self.top_p[r], self.top_k[r], self.counters[r] = 0.0, 1.0, 0, 0
-        self.key_data[r] = 0
+        self.write_index[r], self.prompt_lens[r], self.top_p[r] = self.drop, 1, 1.0
         heapq.heappush(self._free, r)
 
     def clear(self) -> None:
@@ -216,13 +283,17 @@ class StepRunner:
         self.mesh = model.mesh
         cfg, bs = model.cfg, config.block_size
         self.drop_index = num_blocks * bs                   # a write here is dropped (padding)
-        self._step_fn, self.cache_shardings = paged_step, None
+        self._step_fn, self._decode_fn, self.cache_shardings = paged_step, decode_step, None
+        no_prev = jax.devices()[0]                          # placed as a call's output tokens are
         if self.mesh is not None:
             abstract = jax.eval_shape(lambda: PagedKVCache.create(cfg, num_blocks, bs, model.dtype))
             self.cache_shardings = shd.cache_shardings(abstract, self.mesh, cfg)
             self._step_fn = sharded_paged_step(self.mesh, self.cache_shardings)
+            self._decode_fn = sharded_decode_step(self.mesh, self.cache_shardings.k.spec, self.cache_shardings.v.spec)
+            no_prev = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             if registry.bank is not None:
                 registry.place(shd.bank_shardings(registry.bank, self.mesh, cfg))
+        self._no_prev = jax.device_put(np.zeros(config.max_num_seqs, np.int32), no_prev)   # no previous call
         self.cache = self.new_cache()
         self.decode_attention = choose_attention(cfg, bs)
         self.native = self._native_weights()
@@ -292,12 +363,16 @@ class StepRunner:
     def run_on(self, call: StepCall, cache: PagedKVCache):
         """One call on `cache` (donated): (output, cache). The output is the sampled token ids, or a
         dict of device arrays (`paged_step`) when the call asks for log-probabilities or logits."""
+        if isinstance(call, DecodeCall):
+            with self.model.mesh_context():
+                return self._decode_fn(self.model.graphdef, self.model.state, call.packed, call.prev_tokens, cache,
+                                       call.bank, call.native, attention=call.attention, logprobs=call.logprobs)
         temp, top_p, top_k, key_data, counters = call.sampling
         with self.model.mesh_context():
             return self._step_fn(
                 self.model.graphdef, self.model.state, call.tokens, call.batch, cache, call.bank,
                 None if call.bank is None else call.adapter_ids, call.prompt_lens, temp, top_p, top_k,
-                (key_data, counters), call.next_tokens, call.native,
+                (key_data, counters), call.next_tokens, None,
                 logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs, return_logits=call.return_logits)
 
     def sampling_rows(self, seqs, n: int):
@@ -313,7 +388,7 @@ class StepRunner:
         return temp, top_p, top_k, key_data, counters
 
     # ---- prefill ---------------------------------------------------------------------------
-    def prefill_call(self, chunks: list[Chunk]) -> StepCall:
+    def prefill_call(self, chunks: list[Chunk]) -> PrefillCall:
         """The call for this step's prefill chunks (rows, chunk length and context bucketed); its
         logits are returned too (forks sample from them)."""
         bs = self.block_size
@@ -347,9 +422,8 @@ class StepRunner:
         samp = self.sampling_rows([ch.seq for ch in chunks], P)
         tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens = jax.device_put(
             (tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens))
-        return StepCall(tokens, PagedBatch(bt, ctx, clen, widx, "gather"), self.registry.bank, ids, plen, samp,
-                        next_tokens=next_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                        return_logits=True)
+        return PrefillCall(tokens, PagedBatch(bt, ctx, clen, widx, "gather"), self.registry.bank, ids, plen, samp,
+                           next_tokens=next_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     # ---- decode ----------------------------------------------------------------------------
     def dispatch_decode(self, seqs: list[Sequence], after: DecodeStep | None = None) -> DecodeStep:
@@ -359,22 +433,16 @@ class StepRunner:
         rows, width, filled = self.rows.update(seqs, 0 if after is None else 1)
         if after is not None and filled:
             raise RuntimeError("a pipelined decode call can only continue the previous call's rows")
-        tokens = None if after is None else _column(_tokens_of(after.out))
-        return DecodeStep(seqs, rows, self.run(self._decode(self.rows, bucket(width, self.block_buckets), tokens)))
+        prev = self._no_prev if after is None else _tokens_of(after.out)
+        return DecodeStep(seqs, rows, self.run(self._decode(self.rows, bucket(width, self.block_buckets), prev)))
 
-    def _decode(self, rows: DecodeRows, nb: int, tokens=None) -> StepCall:
-        """The call over every decode row (block tables `nb` wide); `tokens` on the device, or the rows'."""
-        all_token = self.config.mode == "all"
-        # copies: a transfer from host memory may read it after this returns (jax aliases numpy
-        # buffers on CPU), and the rows' buffers change before the next call
-        (host_tokens, bt, ctx, clen, widx, plen, ids, samp) = jax.device_put(jax.tree.map(np.copy, (
-            rows.tokens if tokens is None else None, rows.block_tables[:, :nb], rows.context_lens, rows.chunk_lens,
-            rows.write_index, rows.prompt_lens, rows.adapter_ids if all_token else None,
-            (rows.temperature, rows.top_p, rows.top_k, rows.key_data, rows.counters))))
-        bank = self.registry.bank if all_token else None
-        return StepCall(host_tokens if tokens is None else tokens,
-                        PagedBatch(bt, ctx, clen, widx, self.decode_attention), bank, ids, plen, samp,
-                        native=self.native if bank is None else None, logprobs=rows.logprob_rows > 0)
+    def _decode(self, rows: DecodeRows, nb: int, prev_tokens) -> DecodeCall:
+        """The call over every decode row (block tables `nb` wide): one transfer of the rows' buffer,
+        copied first (a transfer may read host memory after it returns: jax aliases numpy buffers on
+        CPU, and the buffer changes before the next call)."""
+        bank = self.registry.bank if self.config.mode == "all" else None
+        return DecodeCall(jax.device_put(rows.buffer[:, :BLOCKS + nb].copy()), prev_tokens, bank,
+                          self.native if bank is None else None, self.decode_attention, rows.logprob_rows > 0)
 
     # ---- parallel samples and block copies -------------------------------------------------
     def sample_forks(self, logits, row: int, seqs: list[Sequence], logprobs: bool, size: int | None = None):
@@ -403,11 +471,11 @@ class StepRunner:
         return jax.block_until_ready(self.run(self._prefill([], P, C, nb, logprobs, prompt_logprobs))["logits"])
 
     def compile_decode(self, nb: int, logprobs: bool = False) -> None:
-        """Runs the decode program with `nb`-wide block tables on padding rows, and the pipelined
-        hand-over of its tokens."""
+        """Runs the decode program with `nb`-wide block tables on padding rows (the same program
+        serves pipelined calls: their input tokens are an argument either way)."""
         pad = DecodeRows(self.config.max_num_seqs, nb, self.block_size, self.drop_index)
         pad.logprob_rows = int(logprobs)
-        jax.block_until_ready(_column(_tokens_of(self.run(self._decode(pad, nb)))))
+        jax.block_until_ready(self.run(self._decode(pad, nb, self._no_prev)))
 
     def compile_forks(self, S: int, logits, logprobs: bool = False) -> None:
         """Runs the fork sampler for S samples from `logits` [P, V]."""

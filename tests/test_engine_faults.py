@@ -41,9 +41,8 @@ class Faults:
         raise RuntimeError(f"injected {what} failure")
 
     def __call__(self, call, run):
-        tokens = call.tokens
-        decode = tokens.shape[1] == 1
-        if not decode and np.any(np.asarray(tokens) == POISON):
+        decode = call.chunk == 1
+        if not decode and np.any(np.asarray(call.tokens) == POISON):
             self._fail("prefill")
         if decode:
             if self.block is not None:

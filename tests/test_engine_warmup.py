@@ -17,6 +17,7 @@ from preft_jax.sampling import SamplingParams
 from reference_llama import random_params
 from serve.engine import Engine, EngineConfig
 from serve.registry import AdapterRegistry, with_policy
+from serve.step_runner import decode_step
 
 pytestmark = pytest.mark.slow      # whole module; README "Tests" names where its fast path is covered
 
@@ -55,7 +56,8 @@ def _alone(runner, prompt, name, n):
 
 
 def _compiled():
-    return paged_step._cache_size() + sample_rows._cache_size() + copy_blocks._cache_size()
+    return (paged_step._cache_size() + decode_step._cache_size() + sample_rows._cache_size()
+            + copy_blocks._cache_size())
 
 
 def _serve_all(eng, reqs, n_samples=3):
@@ -145,8 +147,8 @@ def test_a_failing_warmup_task_is_retried_once_then_skipped(runner, caplog):
     failures = {1: 1, 2: 10 ** 6}            # decode calls by block-table width: failures left to inject
 
     def hook(call, run):
-        nb = call.batch.block_tables.shape[1]
-        if call.tokens.shape[1] == 1 and failures.get(nb, 0) > 0:
+        nb = call.width
+        if call.chunk == 1 and failures.get(nb, 0) > 0:
             failures[nb] -= 1
             raise RuntimeError(f"injected failure\nsecond line, width {nb}")
         return run(call)

@@ -153,7 +153,7 @@ def test_prefill_rows_are_bucketed_so_one_prompt_computes_one_row(runner):
     eng = _engine(runner, max_num_seqs=8, max_prefill_seqs=6, max_num_batched_tokens=128)
     assert eng.step_runner.prefill_row_buckets == [1, 4, 6]
     rows = []
-    eng.step_runner.add_call_hook(lambda call, run: rows.append(call.tokens.shape) or run(call))
+    eng.step_runner.add_call_hook(lambda call, run: rows.append((call.rows, call.chunk)) or run(call))
     reqs = _requests(8, n=6)
     got = _run(eng, reqs[:1]) + _run(eng, reqs[1:3]) + _run(eng, reqs)
     prefill_rows = [r for r, c in rows if c > 1]
