@@ -1,0 +1,93 @@
+"""The persistent decode rows (serve/step_runner.py `DecodeRows`) against a reference that rebuilds
+every row's inputs from the sequences' lists each call (what the engine did before the rows were
+persistent): random joins, leaves, block growth, copy-on-write replacements, re-admissions after
+preemption and pipelined (ahead) calls. Host-only: nothing is compiled."""
+import numpy as np
+
+from preft_jax.sampling import SamplingParams
+from serve.request import Request
+from serve.scheduler import Sequence
+from serve.step_runner import BLOCKS, DecodeRows
+
+R, MAX_BLOCKS, BS, DROP = 6, 8, 4, 999
+
+
+def _seq(rng, i) -> Sequence:
+    plen = int(rng.integers(1, 10))
+    sp = SamplingParams(temperature=float(rng.choice([0.0, 0.7])), top_p=float(rng.choice([1.0, 0.9])),
+                        top_k=int(rng.integers(0, 5)), max_new_tokens=50, logprobs=[None, 3][i % 2])
+    req = Request(f"r{i}", list(range(plen)), None, sp, (), (), key_data=rng.integers(0, 2 ** 32, 2, dtype=np.uint32))
+    s = Sequence(req, rng.integers(0, 100, plen + 1).tolist(), plen)     # the prompt + its first token
+    req.tokens.append(s.tokens[-1])
+    s.num_computed, s.admitted_at = plen, 1000 + i
+    s.blocks = rng.permutation(np.arange(1, 200))[:-(-(plen + 1) // BS)].tolist()
+    return s
+
+
+def _reference(seqs, rows, ahead, got):
+    """The row inputs built from scratch: the buffer a call must carry (padding rows zero, but for
+    their dropped write, prompt length 1 and top_p 1). A pipelined call's rows take their token from
+    the previous call on the device: their host token is not read (copied from `got`)."""
+    want = np.zeros((R, BLOCKS + MAX_BLOCKS), np.int32)
+    want[:, 4], want[:, 5], want[:, 10] = DROP, 1, np.float32(1.0).view(np.int32)
+    for s, r in zip(seqs, rows):
+        p = s.num_computed + ahead
+        sp = s.req.sampling
+        want[r, :11] = [got[r, 0] if ahead else s.tokens[p], ahead, p, 1, s.blocks[p // BS] * BS + p % BS, s.plen, 0, sp.top_k,
+                        len(s.req.tokens) + ahead, np.float32(sp.temperature).view(np.int32),
+                        np.float32(sp.top_p).view(np.int32)]
+        want[r, 11:13] = s.req.key_data.view(np.int32)
+        want[r, BLOCKS:BLOCKS + len(s.blocks)] = s.blocks
+    return want
+
+
+def test_decode_rows_equal_a_rebuild_from_the_sequences():
+    rng = np.random.default_rng(0)
+    rows = DecodeRows(R, MAX_BLOCKS, BS, DROP)
+    pool = [_seq(rng, i) for i in range(12)]
+    running: list[Sequence] = []
+    fresh = 12
+    for step in range(300):
+        op = rng.integers(0, 5)
+        idle = [s for s in pool if s not in running]
+        if op == 0 and len(running) < R and idle:                     # a sequence joins (prefill done)
+            running.append(idle[int(rng.integers(0, len(idle)))])
+        elif op == 1 and running:                                     # one leaves (finished / preempted)
+            running.remove(running[int(rng.integers(0, len(running)))])
+        elif op == 2 and running:                                     # preempted and re-admitted: new blocks
+            s = running[int(rng.integers(0, len(running)))]
+            s.admitted_at, fresh = fresh + 1000, fresh + 1
+            s.blocks = rng.permutation(np.arange(1, 200))[:len(s.blocks)].tolist()
+        elif op == 3 and running:                                     # copy-on-write of the written block
+            s = running[int(rng.integers(0, len(running)))]
+            if s.num_computed // BS < len(s.blocks):
+                s.blocks[s.num_computed // BS] = int(rng.integers(200, 300))
+        ahead = int(step % 3 == 2)                                    # a pipelined call now and then
+        seqs = list(running)
+        if not seqs:
+            continue
+        for s in seqs:                                                # a home for the written position
+            while len(s.blocks) * BS <= s.num_computed + ahead and len(s.blocks) < MAX_BLOCKS:
+                s.blocks.append(int(rng.integers(300, 400)))
+        got_rows, width, _ = rows.update(seqs, ahead)
+        assert len(set(got_rows.tolist())) == len(seqs) and width == max((s.num_computed + ahead) // BS + 1
+                                                                         for s in seqs)
+        np.testing.assert_array_equal(rows.buffer, _reference(seqs, got_rows, ahead, rows.buffer), err_msg=f"step {step}")
+        assert rows.logprob_rows == sum(s.req.sampling.logprobs is not None for s in seqs)
+        for s in seqs:                                                # the call's token, accounted
+            if s.num_computed + 2 < MAX_BLOCKS * BS:
+                s.num_computed += 1
+                s.tokens.append(int(rng.integers(0, 100)))
+                s.req.tokens.append(s.tokens[-1])
+    rows.clear()
+    np.testing.assert_array_equal(rows.buffer, _reference([], [], 0, rows.buffer))
+
+
+def test_rows_stay_put_and_freed_rows_are_reused_lowest_first():
+    rng = np.random.default_rng(1)
+    rows = DecodeRows(R, MAX_BLOCKS, BS, DROP)
+    a, b, c, d = (_seq(rng, i) for i in range(4))
+    assert rows.update([a, b, c], 0)[0].tolist() == [0, 1, 2]
+    assert rows.update([c, a], 1)[0].tolist() == [2, 0]              # b left: row 1 is padding now
+    assert rows.buffer[1, 3] == 0 and rows.buffer[1, 4] == DROP
+    assert rows.update([d, c, a], 0)[0].tolist() == [1, 2, 0]        # d takes the lowest free row
