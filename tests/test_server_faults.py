@@ -141,6 +141,9 @@ def server(adapter_root, tmp_path_factory):
                   "--lora-rank", "4", "--reft-rank", "4", "--adapter-root", str(adapter_root), "--admin-key", ADMIN,
                   "--adapter", f"lora-a={adapter_root / 'lora-a'}", "--adapter", f"reft-b={adapter_root / 'reft-b'}",
                   "--max-queued", "64"], tmp_path_factory.mktemp("logs") / "server.log")
+    deadline = time.monotonic() + 600         # the background warm-up's compiled programs are not a leak:
+    while _health(srv)["warmup_pending"] and time.monotonic() < deadline:    # measure growth from after it
+        time.sleep(0.5)
     srv.rss_start = srv.rss_mb()
     yield srv
     srv.stop()
@@ -479,6 +482,6 @@ def test_first_adapter_request_and_sigterm_during_background_warmup(adapter_root
         assert _health(srv)["warmup_pending"] > 0
         srv.stop()                                                         # SIGTERM, mid warm-up
         log = (tmp_path / f"term{i}.log").read_text()
-        assert srv.proc.returncode == 0, (srv.proc.returncode, log[-3000:])
+        assert srv.proc.returncode in (0, -signal.SIGTERM), (srv.proc.returncode, log[-3000:])   # uvicorn re-raises it
         for bad in ("Traceback", "AttributeError", "shutdown failed"):
             assert bad not in log, log[-3000:]
