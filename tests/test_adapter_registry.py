@@ -63,7 +63,8 @@ def test_adapter_slots_pin_lru_and_unload():
     hits = reg.stats.device_hits
     assert reg.pin(rb) == 2 and reg.stats.device_hits == hits + 1       # still resident: a device hit
     for r in (ra, rb, rc):
-        reg.release(r)                                                   # release unpins
+        reg.unpin(r)                                 # the pin's owner (the engine's scheduler) unpins,
+        reg.release(r)                               # then the request's reference is dropped
     assert reg.occupancy()["device_pinned"] == 0 and reg.in_use("b") == 0
     reg.unload("b")                                                      # its unpinned slot is emptied
     assert not reg.resident(rb) and reg.occupancy()["device_resident"] == 1
