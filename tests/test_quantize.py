@@ -195,7 +195,7 @@ def test_engine_quantized_runs_on_xla_with_a_reason():
         reg = AdapterRegistry(CFG, 2, lora_rank=4, reft_rank=4)
         reg.load("a", random_lora(CFG, 1))
         eng = Engine(ModelRunner(model), reg, EngineConfig(cpu_decode=cpu_decode, block_size=4, **kw))
-        assert eng.native is None
+        assert eng.step_runner.native is None
         rng = np.random.default_rng(5)
         reqs = [eng.submit(rng.integers(0, CFG.vocab_size, n).tolist(), a, SamplingParams(max_new_tokens=8,
                                                                                           stop_token_ids=(-1,)))
