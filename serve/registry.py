@@ -96,10 +96,6 @@ class AdapterRegistry:
     def adapter_dir(self) -> str | None:
         return self.catalog.adapter_dir
 
-    @property
-    def _refs(self):                     # tests/test_paged_engine.py checks no reference leaked
-        return self.catalog.refs
-
     def set_mode(self, mode: str) -> None:
         """Switches every adapter to `mode` (the engine sets its registry's mode at construction).
         Cached versions are dropped (they carry the old policy) and reload on next use."""

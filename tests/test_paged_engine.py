@@ -227,4 +227,4 @@ def test_adapter_dir_tier_found_by_name_changed_and_broken_folders(runner, tmp_p
     assert good.result.tokens == out["x2"]
     with pytest.raises(Exception, match="unknown adapter"):
         eng.submit(p, "nope", _sp(3))
-    assert reg.occupancy()["device_pinned"] == 0 and not any(reg._refs.values())
+    assert reg.occupancy()["device_pinned"] == 0 and not any(reg.catalog.refs.values())
