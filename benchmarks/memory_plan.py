@@ -69,7 +69,7 @@ class PlanSpec:
     mesh: tuple[int, int, int] = (1, 1, 1)   # (data, fsdp, tensor)
     dtype: str = "bfloat16"               # the base weights' (and KV pool's, bank's) dtype
     backend: str = "jnp"                  # adapter backend (preft_jax.adapters.context)
-    quantize: str | None = None           # base weight quantization (not in this build; see abstract_model)
+    quantize: str | None = None           # base weight quantization: "int8" | "int4" (preft_jax.quantize)
     # serving
     adapters: int = 16                    # device adapter slots (the bank holds adapters + 1 with the base)
     lora_rank: int = 16
@@ -157,8 +157,16 @@ def shard_bytes(tree) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        total += -(-int(np.prod(shape, dtype=np.int64)) * dtype_bits(x.dtype) // 8)
     return total
+
+
+def dtype_bits(dtype) -> int:
+    """Bits per element (int4 / uint4: 4, as XLA packs them; numpy's itemsize says 1 byte)."""
+    import jax.numpy as jnp
+    import numpy as np
+    dt = np.dtype(dtype)
+    return jnp.iinfo(dt).bits if jnp.issubdtype(dt, jnp.integer) else dt.itemsize * 8
 
 
 def attach(tree, shardings):
@@ -188,8 +196,6 @@ def abstract_model(cfg, spec: PlanSpec):
     import jax
     from flax import nnx
     from preft_jax.model import Llama
-    if spec.quantize is not None:
-        raise ValueError(f"quantize={spec.quantize!r}: quantized base weights are not in this build")
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=spec.dtype, adapter_backend=spec.backend))
     dt = compile_dtype(spec)
     if dt != model.dtype:
@@ -197,7 +203,22 @@ def abstract_model(cfg, spec: PlanSpec):
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dt), state)
         model = nnx.merge(graphdef, state)
         model.dtype = dt
+    if spec.quantize is not None:
+        quantize_abstract(model, cfg, spec.quantize, dt)
     return model
+
+
+def quantize_abstract(model, cfg, mode: str, dtype) -> None:
+    """Replaces `model`'s abstract base weights by the abstract qwix QArrays that
+    `preft_jax.quantize.quantize_params` makes of them (same function, traced by `jax.eval_shape`:
+    int8/int4 values, scales in `dtype`), so the plan's weight bytes are the quantized model's."""
+    import jax
+    from preft_jax import quantize as quant
+    holders = {name: model.layers for name in quant.PROJECTIONS} | {"embed": model, "lm_head": model}
+    params = {name: getattr(h, name).get_value() for name, h in holders.items() if hasattr(h, name)}
+    qparams = jax.eval_shape(lambda p: quant.quantize_params(cfg, p, mode, dtype), params)
+    for name, value in qparams.items():
+        getattr(holders[name], name).set_value(value)
 
 
 def _compile(name, fn, args, kwargs, spec: PlanSpec, mesh, resident: int = 0) -> Program:
@@ -471,6 +492,8 @@ def _parse(argv=None):
                     help="try this mesh axis at 1, 2, 4, 8 (other axes from --mesh) and name the smallest that "
                          "fits --device-memory")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype)
+    ap.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                    help="base weights quantized (qwix QArrays, preft_jax.quantize; QLoRA for sft/grpo)")
     ap.add_argument("--backend", default=d.backend, help="adapter backend (jnp | xla | pallas)")
     ap.add_argument("--device-memory", type=parse_bytes, default=None, help="e.g. 80GiB, 24GB")
     g = ap.add_argument_group("serving (serve.engine.EngineConfig)")
@@ -499,7 +522,7 @@ def _parse(argv=None):
 
 
 def spec_from_args(a, mesh: tuple[int, int, int]) -> PlanSpec:
-    fields = {f.name for f in dataclasses.fields(PlanSpec)} - {"mesh", "quantize"}
+    fields = {f.name for f in dataclasses.fields(PlanSpec)} - {"mesh"}
     return PlanSpec(mesh=mesh, **{k: getattr(a, k) for k in fields})
 
 

@@ -152,10 +152,11 @@ def test_smollm2_plan_matches_measured_peak_rss():
         out = {}
         for spec in (mp.PlanSpec(model="smollm2-135m", task="serve", dtype="float32", adapters=16, kv_tokens=16384,
                                  max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=512),
-                     mp.PlanSpec(model="smollm2-135m", task="sft", dtype="float32", batch=4, seq=256)):
+                     mp.PlanSpec(model="smollm2-135m", task="sft", dtype="float32", batch=4, seq=256),
+                     mp.PlanSpec(model="smollm2-135m", task="sft", dtype="float32", batch=4, seq=256, quantize="int8")):
             p = mp.plan(spec)
             q = p.peak_program
-            out[spec.task] = [mp.measure(q), q.peak - q.resident]
+            out[spec.task + (f"-{spec.quantize}" if spec.quantize else "")] = [mp.measure(q), q.peak - q.resident]
         print("RESULT" + json.dumps(out))
     """)
     try:
@@ -166,3 +167,31 @@ def test_smollm2_plan_matches_measured_peak_rss():
     for task, (measured, planned) in r.items():
         assert planned > 256 << 20, (task, planned)           # a real amount of memory, not noise
         assert abs(measured / planned - 1) < 0.20, (task, measured / GiB, planned / GiB)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_plan_weights_equal_the_real_quantized_model(mode):
+    """A `--quantize` plan's base weights are the abstract twin of what `quantize_params` makes of real
+    random weights: the same bytes (int4 counted packed, 4 bits), weight by weight."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from preft_jax.config import tiny_config
+    from preft_jax.model import Llama
+    from preft_jax.quantize import quantize_params
+    cfg = tiny_config(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256)
+    spec = mp.PlanSpec(model="smollm2-135m", task="sft", dtype="float32", quantize=mode)
+    planned = mp.abstract_model(cfg, spec)
+    real = Llama(cfg, rngs=nnx.Rngs(3), dtype="float32")
+    params = {n: np.asarray(getattr(real.layers, n).get_value()) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                                                           "w_down")}
+    params["embed"] = np.asarray(real.embed.get_value())
+    q = quantize_params(cfg, params, mode)
+    for name, value in q.items():
+        holder = planned if name == "embed" else planned.layers
+        want = jax.tree.leaves(value)
+        got = jax.tree.leaves(getattr(holder, name).get_value())
+        assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want], name
+        assert mp.shard_bytes(got) == sum(-(-w.size * mp.dtype_bits(w.dtype) // 8) for w in want), name
+    bits = {str(x.dtype) for x in jax.tree.leaves(planned.layers.wq.get_value())}
+    assert ("int4" if mode == "int4" else "int8") in bits
