@@ -34,8 +34,8 @@ def load_runner(model: str | None = None, dtype: str = "float32", backend: str =
     from preft_jax.loading import load_model
     cfg, params, _ = load_model(model)
     if quantize:
-        from preft_jax.quantize import gguf_source, quantize_params
-        params = quantize_params(cfg, params, quantize, dtype, gguf_path=gguf_source(model))
+        from preft_jax.loading.quantized import quantize_model_params
+        params = quantize_model_params(cfg, params, quantize, dtype, path=model)
     return ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend))
 
 

@@ -58,15 +58,18 @@ def _runner(cfg, params, dtype, quant, gguf):
     quant "int4-symmetric": int4 with absmax groups (qwix's default calibration) - for comparison."""
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
+    from preft_jax.loading.quantized import direct_tensors
     from preft_jax.quantize import PROJECTIONS, QuantConfig, quantize_params
+    mode = "int4" if quant == "int4-symmetric" else quant
+    direct = direct_tensors(gguf, cfg, mode, list(params)) if gguf is not None and mode else None
     if quant == "int4-symmetric":
         import qwix
         group = QuantConfig("int4").group_for(cfg)
         sym = {n: qwix.quantize(jnp.asarray(params[n]), jnp.int4, channelwise_axes=(0, 2), tiled_axes={1: group})
                for n in PROJECTIONS}
-        params = quantize_params(cfg, {**params, **sym}, "int4", dtype, gguf_path=gguf)
+        params = quantize_params(cfg, {**params, **sym}, "int4", dtype, direct=direct)
     elif quant is not None:
-        params = quantize_params(cfg, params, quant, dtype, gguf_path=gguf)
+        params = quantize_params(cfg, params, quant, dtype, direct=direct)
     return ModelRunner(Llama.from_params(cfg, params, dtype=dtype))
 
 
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from preft_jax.loading import load_model
-    from preft_jax.quantize import QuantConfig, gguf_source
+    from preft_jax.loading.quantized import gguf_source
+    from preft_jax.quantize import QuantConfig
     t_all = time.perf_counter()
     cfg, params, tok = load_model(args.model)
     gguf = gguf_source(args.model)

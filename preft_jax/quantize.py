@@ -1,7 +1,7 @@
 """Weight-only quantization of the frozen base model through qwix (Google's JAX quantization library).
 
     qc = QuantConfig.parse("int8")                                 # or "int4", or QuantConfig(...)
-    params = quantize_params(cfg, params, qc, dtype, gguf_path=p)  # canonical params -> qwix QArrays
+    params = quantize_params(cfg, params, qc, dtype)               # canonical params -> qwix QArrays
     model = Llama.from_params(cfg, params, dtype=dtype)            # reads the QArrays as they are
 
 * int8: one scale per output channel (per layer), symmetric: w ~ q * scale, q in [-128, 127].
@@ -33,8 +33,10 @@ ours (PreFT masking, multi-adapter banks); we therefore use qwix one level down:
 quantize / dequantize and its einsum, called from `Llama` through `einsum` and `take` here.
 
 GGUF files: a Q8_0 (int8) or Q4_0 (int4) tensor IS a qwix QArray layout (symmetric integers, one
-scale per 32 inputs of an output row), so `gguf_path=` reads those tensors straight into QArrays
-(tile 32, the file's exact values; `preft_jax.loading.gguf_loader.read_direct`). Q4_1 (the default
+scale per 32 inputs of an output row), so those tensors go straight into QArrays (tile 32, the
+file's exact values): `preft_jax.loading.quantized.quantize_model_params` reads them
+(`preft_jax.loading.gguf_loader.read_direct`) and hands them to `quantize_params` as `direct`.
+Q4_1 (the default
 SmolLM2 file), Q5_x and the K-quants carry a float offset per block (or nested sub-block scales),
 which a qwix QArray cannot hold (its zero point is an integer of the quantized type): those are
 dequantized to float and requantized.
@@ -46,8 +48,6 @@ scales follow the output-channel axis and, grouped, the input axis (preft_jax.sh
 from __future__ import annotations
 
 import dataclasses
-import os
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -162,28 +162,22 @@ def qtype_mode(x) -> str | None:
 
 
 # ------------------------------------------------------------------------------- params / model
-def quantize_params(cfg, params: dict, config, dtype=jnp.float32, gguf_path: str | os.PathLike | None = None) -> dict:
+def quantize_params(cfg, params: dict, config, dtype=jnp.float32, direct: dict | None = None) -> dict:
     """Canonical params (see preft_jax.loading) -> the same dict with the base projections (and the
     embedding / LM head unless `config.embeddings` is False) as qwix QArrays whose scales are in
     `dtype`; other entries unchanged. `config`: a QuantConfig or "int8" | "int4".
 
-    `gguf_path`: the GGUF file the params came from; its tensors stored in the mode's own layout
-    (int8: Q8_0, int4: Q4_0; the embedding / LM head: Q8_0) are read straight into QArrays instead
-    of being requantized from the float params. Entries that already are QArrays are kept."""
+    `direct`: {canonical name: (mode, (values, scales))} of tensors a model file already stores in a
+    QArray layout (read by `preft_jax.loading.quantized.direct_tensors`): those become QArrays
+    as they are instead of being requantized from the float params. Entries that already are
+    QArrays are kept."""
     qc = QuantConfig.parse(config)
     if qc is None:
         return params
     dtype = jnp.dtype(dtype)
     group = qc.group_for(cfg)
     out = dict(params)
-    direct = {}
-    if gguf_path is not None:
-        from preft_jax.loading.gguf_loader import read_direct
-        own = DIRECT_TYPES[qc.mode]
-        direct = {n: (qc.mode, v) for n, v in read_direct(gguf_path, cfg, own, PROJECTIONS).items()}
-        if qc.embeddings:
-            emb = [n for n in EMBEDDINGS if n in params]
-            direct.update({n: ("int8", v) for n, v in read_direct(gguf_path, cfg, "Q8_0", emb).items()})
+    direct = direct or {}
     for name in PROJECTIONS + (EMBEDDINGS if qc.embeddings else ()):
         if name not in params:
             continue
@@ -202,6 +196,19 @@ def quantize_params(cfg, params: dict, config, dtype=jnp.float32, gguf_path: str
     return out
 
 
+def direct_types(config, names) -> dict[str, tuple[str, str]]:
+    """{canonical name: (mode, GGUF block type)} of the params in `names` that `config` would store in
+    a layout a GGUF block type already has (projections: the mode's own, DIRECT_TYPES; the embedding
+    / LM head: Q8_0 as int8). The file reader (preft_jax.loading.quantized) reads just these."""
+    qc = QuantConfig.parse(config)
+    if qc is None:
+        return {}
+    out = {n: (qc.mode, DIRECT_TYPES[qc.mode]) for n in PROJECTIONS if n in names}
+    if qc.embeddings:
+        out.update({n: ("int8", DIRECT_TYPES["int8"]) for n in EMBEDDINGS if n in names})
+    return out
+
+
 def dequantize_params(params: dict) -> dict:
     """Every QArray of a params dict as its float array (what the quantized model computes with)."""
     return {k: (np.asarray(qwix.dequantize(v)) if isinstance(v, QArray) else v) for k, v in params.items()}
@@ -210,16 +217,6 @@ def dequantize_params(params: dict) -> dict:
 def model_quantization(model) -> str | None:
     """"int8" | "int4" when `model`'s (a Llama) base projections are quantized, else None."""
     return qtype_mode(model.layers.wq.get_value())
-
-
-def gguf_source(path) -> pathlib.Path | None:
-    """The resolved model path when it is a GGUF file (None: the default SmolLM2 GGUF), else None."""
-    from preft_jax.loading.default_model import resolve_model_path
-    p = resolve_model_path(path)
-    if not p.is_file():
-        return None
-    with open(p, "rb") as f:
-        return p if f.read(4) == b"GGUF" else None
 
 
 # -------------------------------------------------------------------------- model computations
@@ -258,5 +255,5 @@ def component_axes(value, axes: tuple) -> dict[str, tuple] | None:
 
 
 __all__ = ["QUANT_MODES", "QuantConfig", "quantize_weight", "quantize_rows", "quantize_params", "dequantize_params",
-           "dequantize", "is_quantized", "model_quantization", "gguf_source", "einsum", "take", "component_axes",
+           "dequantize", "is_quantized", "model_quantization", "direct_types", "einsum", "take", "component_axes",
            "from_blocks", "QArray"]

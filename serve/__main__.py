@@ -96,7 +96,8 @@ def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank,
     "int8" | "int4" base weights (GGUF Q8_0 / Q4_0 tensors of `model_path` read as they are)."""
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
-    from preft_jax.quantize import gguf_source, quantize_params
+    from preft_jax.loading.quantized import quantize_model_params
+    from preft_jax.quantize import quantize_params
     from serve.engine import Engine, EngineConfig
     from serve.registry import AdapterRegistry
     max_len = engine_kw.get("max_model_len", 1024)
@@ -104,8 +105,8 @@ def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank,
         raise CliError(f"--max-model-len {max_len} exceeds the model's context {cfg.max_seq_len}")
     try:
         if quantize:
-            params = quantize_params(cfg, params, quantize, dtype,
-                                     gguf_path=None if model_path == "tiny" else gguf_source(model_path))
+            params = (quantize_params(cfg, params, quantize, dtype) if model_path == "tiny"
+                      else quantize_model_params(cfg, params, quantize, dtype, path=model_path))
         runner = ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend), mesh=mesh)
         registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank, dtype=runner.dtype,
                                    adapter_dir=adapter_dir, host_cache_bytes=host_cache_bytes)

@@ -19,6 +19,7 @@ from preft_jax import quantize as qz
 from preft_jax.adapters.bank import build_bank
 from preft_jax.config import tiny_config
 from preft_jax.generation import ModelRunner, sequence_logits
+from preft_jax.loading.quantized import gguf_source, quantize_model_params
 from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams
 from reference_llama import random_params
@@ -337,7 +338,7 @@ def test_gguf_blocks_load_straight_into_qarrays(tmp_path, qtype, mode):
     path = tmp_path / f"tiny-{qtype}.gguf"
     write_tiny_gguf(path, seed=3, qtype=qtype)
     cfg, params, _ = load_gguf(path)                      # the float round trip (gguf's dequantization)
-    direct = qz.quantize_params(cfg, params, mode, gguf_path=qz.gguf_source(path))
+    direct = quantize_model_params(cfg, params, mode, path=path)
     requant = qz.quantize_params(cfg, params, qz.QuantConfig(mode, group_size=32 if mode == "int4" else None))
     for name in qz.PROJECTIONS + ("embed",):
         q = direct[name]
@@ -378,13 +379,13 @@ def test_gguf_other_types_are_requantized(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, seed=4)
     cfg, params, _ = load_gguf(path)
-    qp = qz.quantize_params(cfg, params, "int4", gguf_path=path)
+    qp = quantize_model_params(cfg, params, "int4", path=path)
     assert qz.QuantConfig("int4").group_for(cfg) == 32                      # ffn 96: groups of 32
     assert qp["wq"].qvalue.dtype == jnp.int4 and qp["wq"].scale.shape[1] == cfg.d_model // 32
     assert not np.array_equal(np.asarray(qz.dequantize(qp["wq"])), params["wq"])   # requantized: lossy
     assert qp["embed"].scale.shape == (cfg.vocab_size, cfg.d_model // 32)
     np.testing.assert_array_equal(np.asarray(qz.dequantize(qp["embed"])), params["embed"])
-    assert qz.gguf_source(tmp_path) is None
+    assert gguf_source(tmp_path) is None
 
 
 # --------------------------------------------------------------------------------------- lowering

@@ -200,8 +200,8 @@ def load_base(opts: ModelOptions, mesh=None):
     from preft_jax.model import Llama
     cfg, params, tok = load_model_sharded(opts.path, mesh, opts.dtype)
     if opts.quantize:
-        from preft_jax.quantize import gguf_source, quantize_params
-        params = quantize_params(cfg, params, opts.quantize, opts.jnp_dtype, gguf_path=gguf_source(opts.path))
+        from preft_jax.loading.quantized import quantize_model_params
+        params = quantize_model_params(cfg, params, opts.quantize, opts.jnp_dtype, path=opts.path)
     return cfg, ModelRunner(Llama.from_params(cfg, params, dtype=opts.jnp_dtype, adapter_backend=opts.backend)), tok
 
 

@@ -38,7 +38,8 @@ def load_model_sharded(path: str | os.PathLike | None = None, mesh=None, dtype="
     on the host by `load_model` (dequantized, cached) and placed one parameter at a time."""
     import jax
     import jax.numpy as jnp
-    from preft_jax.loading import load_model, resolve_model_path
+    from preft_jax.loading.default_model import resolve_model_path
+    from preft_jax.loading.files import load_model
     from preft_jax.loading.hf_safetensors import load_hf_sharded
 
     dt = np.dtype(jnp.dtype(dtype))
