@@ -526,24 +526,31 @@ def spec_from_args(a, mesh: tuple[int, int, int]) -> PlanSpec:
     return PlanSpec(mesh=mesh, **{k: getattr(a, k) for k in fields})
 
 
-def main(argv=None) -> int:
-    a = _parse(argv)
+def finish_args(a):
+    """Checks the parsed flags (ValueError naming the flag) and adds `a.meshes`, the meshes to plan."""
     from preft_jax.config import MODEL_PRESETS
     from preft_jax.sharding import AXES, parse_mesh
     if a.model not in MODEL_PRESETS:
-        print(f"unknown --model {a.model!r}; known: {', '.join(MODEL_PRESETS)}", file=sys.stderr)
-        return 2
+        raise ValueError(f"unknown --model {a.model!r}; known: {', '.join(MODEL_PRESETS)}")
     try:
         base = parse_mesh(a.mesh)
     except ValueError as e:
-        print(f"--mesh: {e}", file=sys.stderr)
-        return 2
-    meshes = [tuple(base[x] for x in AXES)]
+        raise ValueError(f"--mesh: {e}") from None
+    a.meshes = [tuple(base[x] for x in AXES)]
     if a.search:
         if a.device_memory is None:
-            print("--search needs --device-memory", file=sys.stderr)
-            return 2
-        meshes = [tuple(n if x == a.search else base[x] for x in AXES) for n in (1, 2, 4, 8)]
+            raise ValueError("--search needs --device-memory")
+        a.meshes = [tuple(n if x == a.search else base[x] for x in AXES) for n in (1, 2, 4, 8)]
+    return a
+
+
+def main(argv=None) -> int:
+    try:
+        a = finish_args(_parse(argv))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    meshes = a.meshes
     set_fake_devices(max(math.prod(m) for m in meshes))
     plans = []
     for mesh in meshes:

@@ -452,6 +452,8 @@ CANARIES = [       # jobs that must fail: the check can tell a broken command
     ({"kind": "module", "target": "train.sft", "argv": ["--mesh", "2,two,1"], "tolerant": False},
      "exit 2: error: mesh must be 'data,fsdp,tensor' (three integers), got '2,two,1' (ValueError; "
      "PREFT_TRACEBACK=1 shows where)"),                     # train.sft.config_from_args, after the parse
+    ({"kind": "module", "target": "benchmarks.memory_plan", "argv": ["--model", "llama-9b"], "tolerant": False},
+     "exit 2: unknown --model 'llama-9b'; known: smollm2-135m, qwen2.5-0.5b, llama-3.1-8b, llama-3.1-70b"),                     # memory_plan.finish_args
     ({"kind": "module", "target": "serve", "argv": ["generate"], "tolerant": False},
      "exit 2: python -m serve generate: error: the following arguments are required: --prompt"),
 ]
