@@ -15,10 +15,12 @@ What is checked, by program:
     (a) the module resolves (importlib.util.find_spec; the FILE exists);
     (b) the arguments parse with the module's own argparse parser, subcommands included: one worker
         process calls the module's `main(argv)` (a console script: its entry point, sys.argv set) and
-        stops it inside its first `parse_args` once that has parsed, so nothing past the parse runs.
+        stops it inside its first `parse_args` once that has parsed, so nothing past the parse runs
+        (a main() that reaches no parse within JOB_SECONDS is stopped and fails).
         Where the module that asked for the parse has a public `config_from_args` or `finish_args`
         (the flag validation train.sft/grpo and benchmarks.roofline/train_mfu do before any work),
-        it is called on the parsed flags too. Unknown flags, bad choices or types fail.
+        it is called on the parsed flags too. Unknown flags, bad choices or types fail, and so does an
+        abbreviated flag (argparse would take `--step` for `--steps`; a doc spells flags out).
   * `python -m pytest ...`: the named test files exist and every marker in `-m EXPR` is registered
     in pyproject.toml (the fast loop `-m "not slow"` stays a real filter).
   * `bash FILE`, `sh FILE`, `./FILE`, `.ci/run`: the file exists.
@@ -47,6 +49,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tomllib
@@ -202,7 +205,7 @@ def expand(args: list[tuple[str, bool] | str]) -> tuple[list[list[str]], bool]:
             elided = True
         elif text:
             if not quoted and "|" in text:
-                items().append(("alt", [[p] for p in text.split("|")]))
+                items().append(("alt", [[("word", p, False)] for p in text.split("|")]))
             else:
                 items().append(("word", text, quoted))
         for _ in range(closes):
@@ -223,8 +226,6 @@ def expand(args: list[tuple[str, bool] | str]) -> tuple[list[list[str]], bool]:
         for it in seq:
             if it[0] == "alt":
                 out += render(it[1][choice.get(id(it), 0)], choice)
-            elif isinstance(it, str):
-                out.append(it)
             else:
                 _, text, quoted = it
                 ph = not text.startswith("-") and _is_placeholder(text)
@@ -316,12 +317,24 @@ class _Parsed(BaseException):
     """Raised inside the intercepted parse_args once the flags parsed: main() stops there."""
 
 
-def _relax(parser: argparse.ArgumentParser):
+class _Runaway(BaseException):
+    """A main() that has not reached a parse within JOB_SECONDS (it would be running its workload)."""
+
+
+JOB_SECONDS = 60
+
+
+def _runaway(*_):
+    raise _Runaway
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    """The parser and its subcommands' parsers."""
+    yield parser
     for a in parser._actions:
-        a.required = False
         if isinstance(a, argparse._SubParsersAction):
-            for p in set(a.choices.values()):
-                _relax(p)
+            for p in {id(p): p for p in a.choices.values()}.values():
+                yield from _parsers(p)
 
 
 def _stand_in(action, text: str) -> str:
@@ -388,8 +401,10 @@ def run_job(job: dict) -> str | None:
             if not state["armed"]:
                 return orig(self, args, namespace)
             state["armed"] = False
-            if job["tolerant"]:
-                _relax(self)
+            for p in _parsers(self):
+                p.allow_abbrev = False             # a doc spells its flags out
+                for a in p._actions if job["tolerant"] else ():
+                    a.required = False
             args = _fill(self, list(sys.argv[1:] if args is None else args))
             ns = orig(self, args, namespace)
             _validate(ns[0] if isinstance(ns, tuple) else ns, self, sys._getframe(1))
@@ -400,6 +415,8 @@ def run_job(job: dict) -> str | None:
     saved = sys.argv
     argparse.ArgumentParser.parse_args = intercept(orig_args)
     argparse.ArgumentParser.parse_known_args = intercept(orig_known)
+    signal.signal(signal.SIGALRM, _runaway)
+    signal.alarm(JOB_SECONDS)
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             if job["kind"] == "console":
@@ -420,6 +437,8 @@ def run_job(job: dict) -> str | None:
                 rc = main(job["argv"])
     except _Parsed:
         return None
+    except _Runaway:
+        return f"no argparse parse within {JOB_SECONDS} s: main() ran past the flags (a workload?)"
     except SystemExit as e:
         rc = e.code
         if isinstance(rc, str):
@@ -428,6 +447,7 @@ def run_job(job: dict) -> str | None:
     except Exception as e:                # noqa: BLE001 -- reported as the job's failure
         return f"{type(e).__name__}: {e}"
     finally:
+        signal.alarm(0)
         sys.argv = saved
         argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = orig_args, orig_known
     if rc in (0, None):                   # --help / --version, or a dispatcher's own usage text
@@ -454,6 +474,8 @@ CANARIES = [       # jobs that must fail: the check can tell a broken command
      "PREFT_TRACEBACK=1 shows where)"),                     # train.sft.config_from_args, after the parse
     ({"kind": "module", "target": "benchmarks.memory_plan", "argv": ["--model", "llama-9b"], "tolerant": False},
      "exit 2: unknown --model 'llama-9b'; known: smollm2-135m, qwen2.5-0.5b, llama-3.1-8b, llama-3.1-70b"),                     # memory_plan.finish_args
+    ({"kind": "module", "target": "benchmarks.paged", "argv": ["--request", "8"], "tolerant": False},
+     "exit 2: benchmarks.paged: error: unrecognized arguments: --request 8"),   # no abbreviations
     ({"kind": "module", "target": "serve", "argv": ["generate"], "tolerant": False},
      "exit 2: python -m serve generate: error: the following arguments are required: --prompt"),
 ]
@@ -529,6 +551,15 @@ def test_documented_command(cmd: Command, parsed):
     errors = [f"{' '.join(v).replace(PH, '')}: {parsed[f'{cmd.id} #{i}']}"
               for i, v in enumerate(cmd.variants) if parsed[f"{cmd.id} #{i}"] is not None]
     assert not errors, f"{cmd.id}\n" + "\n".join(errors)
+
+
+def test_ci_runs_the_readme_full_suite():
+    """.ci/run runs README's "everything" command: no marker filter, the same options (cache plugin aside)."""
+    readme = [c for c in COMMANDS if c.kind == "pytest" and c.doc == "README.md"]
+    assert [c.variants[0] for c in readme] == [["-q"], ["-q", "-m", "not slow"], ["-q"]]
+    ci = [commands_in(".ci/run", n, line, False) for n, line in
+          enumerate((ROOT / ".ci" / "run").read_text().splitlines(), 1) if "pytest" in line]
+    assert [[c.variants for c in cs] for cs in ci] == [[[["-q", "-p", "no:cacheprovider"]]]]
 
 
 @pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.kind == "pytest"], ids=lambda c: c.id)
