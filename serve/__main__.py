@@ -9,6 +9,8 @@
                            [--api-key KEY] [--admin-key KEY] [--allow-unauthenticated-admin]
                            [--adapter-root DIR] [--max-queued 1024] [--request-timeout 600]
                            [--max-body-bytes 4194304] [--shutdown-grace 10]
+                           [--header-timeout 10] [--body-timeout 60] [--keep-alive-timeout 5]
+                           [--max-header-bytes 16384] [--limit-concurrency N]
                            [--warmup background|full|none] [--warmup-logprobs]
     both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--quantize int8|int4]
           [--mesh data=D,tensor=T] [--cpu-decode auto|native|xla] [--no-cache] [--quiet]
@@ -35,11 +37,17 @@ class CliError(Exception):
 
 
 def _parse_adapters(specs: list[str]) -> dict[str, str]:
+    from serve.errors import RequestError
+    from serve.registry import check_adapter_name
     out: dict[str, str] = {}
     for spec in specs:
         name, sep, folder = spec.partition("=")
         if not sep or not name or not folder:
             raise CliError(f"--adapter takes NAME=FOLDER, got {spec!r}")
+        try:
+            check_adapter_name(name)
+        except RequestError as e:
+            raise CliError(f"--adapter {spec!r}: {e}") from None
         if name in out:
             raise CliError(f"adapter name {name!r} given twice")
         if not os.path.isdir(folder):
@@ -112,12 +120,14 @@ def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank,
                                    adapter_dir=adapter_dir, host_cache_bytes=host_cache_bytes)
     except ValueError as e:
         raise CliError(str(e)) from None
+    from serve.errors import AdapterLoadError, RequestError
     for name, w in weights.items():
         try:
             registry.load(name, w)
-        except ValueError as e:
-            raise CliError(f"adapter {name!r} does not fit the adapter bank: {e} "
-                           f"(see --lora-rank / --reft-rank)") from None
+        except AdapterLoadError as e:   # NaN/Inf weights, bad shapes; AdapterFitError names --lora-rank / --reft-rank
+            raise CliError(str(e)) from None
+        except RequestError as e:       # a name taken by --adapter-dir, ...
+            raise CliError(f"--adapter {name}: {e}") from None
     try:
         engine_kw["max_prefill_seqs"] = min(engine_kw.get("max_prefill_seqs", 4), engine_kw.get("max_num_seqs", 16))
         return Engine(runner, registry, EngineConfig(mode=mode, **engine_kw), tokenizer)
@@ -180,7 +190,9 @@ def cmd_server(args) -> int:
         server_config = ServerConfig(api_key=args.api_key, admin_key=args.admin_key,
                                      allow_unauthenticated_admin=args.allow_unauthenticated_admin,
                                      adapter_root=args.adapter_root, max_body_bytes=args.max_body_bytes,
-                                     shutdown_grace=args.shutdown_grace)
+                                     shutdown_grace=args.shutdown_grace, header_timeout=args.header_timeout,
+                                     body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                                     max_header_bytes=args.max_header_bytes, limit_concurrency=args.limit_concurrency)
     except ValueError as e:
         raise CliError(str(e)) from None
     mesh = _parse_mesh(args.mesh)
@@ -306,7 +318,18 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (413 beyond)")
     s.add_argument("--shutdown-grace", type=float, default=10.0,
-                   help="seconds running requests get to finish on SIGTERM before they fail")
+                   help="seconds running requests get to finish on SIGTERM before they fail (/health answers "
+                        "503 meanwhile; a second signal exits at once)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive before the connection is closed (slowloris)")
+    s.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request's body may take to arrive after its headers (408 beyond)")
+    s.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open")
+    s.add_argument("--max-header-bytes", type=int, default=16 * 1024,
+                   help="largest request line + headers accepted (400 beyond)")
+    s.add_argument("--limit-concurrency", type=int, default=None,
+                   help="open connections + requests in progress before new requests get 503 (default: no limit)")
     s.add_argument("--warmup", choices=("background", "full", "none"), default="background",
                    help="compile every shape bucket in the background while idle, serving at once (default); "
                         "'full': all of them before the port opens; 'none': each on first use")

@@ -6,7 +6,10 @@ folder adapters may be loaded from at run time.
 * `admin_key`: POST /v1/adapters and DELETE /v1/adapters/{name} need `Authorization: Bearer
   <admin_key>`. Without an admin key they are refused (403) unless `allow_unauthenticated_admin`.
 * `adapter_root`: run-time loads read only folders under this directory (resolved with symlinks, no
-  `~` expansion); a path outside it gets the same answer whether or not it exists.
+  `~` expansion); a path outside it gets the same answer whether or not it exists. Every file and
+  folder inside an adapter folder must resolve inside the root too (`check_files_inside`, run by the
+  catalog before and after each load from the root or from `--adapter-dir`), so a symlinked
+  `adapter_config.json` or weights file cannot make a loader read elsewhere.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import math
 import os
 
 from serve.errors import AuthenticationError, PermissionDeniedError, RequestError
+
+MAX_ADAPTER_FILES = 10_000           # entries an adapter folder may hold (an Orbax run holds a few per step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +33,12 @@ class ServerConfig:
     shutdown_grace: float = 10.0         # seconds in-flight requests get to finish on shutdown
     tokenizer_threads: int = 2           # concurrent tokenizations off the event loop
     retry_after_s: int = 1               # Retry-After on 429 / 503
+    # connections (serve/connections.py, serve/middleware.py; uvicorn's own where it has one)
+    header_timeout: float = 10.0         # a request's headers must arrive within this (slowloris)
+    body_timeout: float = 60.0           # ... and its body within this after them (408 beyond)
+    keep_alive_timeout: float = 5.0      # an idle keep-alive connection is closed after this
+    max_header_bytes: int = 16 * 1024    # request line + headers (400 beyond)
+    limit_concurrency: int | None = None  # connections + tasks before uvicorn answers 503 (None: no limit)
 
     def __post_init__(self):
         for name in ("api_key", "admin_key"):
@@ -42,6 +53,14 @@ class ServerConfig:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
         if self.tokenizer_threads < 1 or self.retry_after_s < 0:
             raise ValueError("tokenizer_threads must be >= 1 and retry_after_s >= 0")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be > 0 seconds, got {v}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
         if self.adapter_root is not None and not os.path.isdir(self.adapter_root):
             raise ValueError(f"adapter_root is not a folder: {self.adapter_root}")
 
@@ -92,3 +111,41 @@ def resolve_adapter_path(config: ServerConfig, path: str) -> tuple[str, str]:
     if os.path.commonpath([root, real]) != root or real == root:
         raise RequestError("'path' must name a folder inside the server's adapter root", "path")
     return real, os.path.relpath(real, root)
+
+
+class OutsideRootError(ValueError):
+    """A file or folder inside an adapter folder resolves outside the root it must stay in. The
+    message names the entry (relative to the adapter folder), never where it points."""
+
+
+def _inside(root: str, real: str) -> bool:
+    return real == root or os.path.commonpath([root, real]) == root
+
+
+def check_files_inside(folder: str, root: str, max_entries: int = MAX_ADAPTER_FILES) -> None:
+    """Raises OutsideRootError unless `folder` and every file and folder under it (symlinks followed,
+    each resolved) lie inside `root`. The loaders read only files under the folder, so none of their
+    reads leaves the root. Symlinks that stay inside (a Hugging Face cache's snapshot -> blob links)
+    are fine. A symlink loop is visited once; more than `max_entries` entries is refused."""
+    root = os.path.realpath(root)
+    top = os.path.realpath(folder)
+    if not _inside(root, top):
+        raise OutsideRootError("the adapter folder resolves outside the adapter root")
+    seen, stack, count = {top}, [(top, "")], 0
+    while stack:
+        real_dir, rel_dir = stack.pop()
+        try:
+            entries = sorted(os.scandir(real_dir), key=lambda e: e.name)
+        except OSError as e:
+            raise OutsideRootError(f"cannot list {rel_dir or 'the adapter folder'}: {e.strerror}") from None
+        for entry in entries:
+            count += 1
+            if count > max_entries:
+                raise OutsideRootError(f"the adapter folder holds more than {max_entries} files")
+            rel = os.path.join(rel_dir, entry.name)
+            real = os.path.realpath(entry.path)
+            if not _inside(root, real):
+                raise OutsideRootError(f"{rel!r} in the adapter folder resolves outside the adapter root")
+            if os.path.isdir(real) and real not in seen:
+                seen.add(real)
+                stack.append((real, rel))

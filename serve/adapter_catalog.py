@@ -7,9 +7,22 @@
   weights have no file to reload from and are never evicted); loading runs on a small thread pool,
   never on the engine's step;
 * **references**: every request holds one (`acquire` -> `AdapterRef`, `release`) from submit to its
-  end, so an adapter in use is never unloaded. A folder that changes on disk (new weights, same
-  name) is detected by its file signature: the new version is loaded; requests already running
-  keep the version they resolved (`resolve`).
+  end, so an adapter in use is never unloaded under it. A folder that changes on disk (new weights,
+  same name) is detected by its file signature: the new version is loaded; requests already running
+  keep the version they resolved (`resolve`);
+* **draining** (`unload(name, drain=True)`, what DELETE /v1/adapters/{name} does, as SGLang's
+  unregister + wait_for_unload): the name is gone at once for new requests (unknown: 404, as vLLM
+  and SGLang answer), the requests that hold a reference (running or queued) finish on it, and the
+  last one's `release` unloads it (host entry dropped; the registry then empties its adapter slots).
+  Loading the same name again while it drains is a 409 (`AdapterInUseError`);
+* **containment and what clients see**: a folder loaded from a root (the server's
+  `--adapter-root`, or `adapter_dir`) has every file checked to resolve inside that root before and
+  after it is read (serve/access.py `check_files_inside`) and must not change while it is read.
+  A load error (`AdapterLoadError`) keeps the loader's full message for the operator and library
+  callers (and the log); its `public_message`, all a client gets, names the adapter and the kind of
+  problem, never a server path or anything read from the files;
+* names that `adapter_dir` provides are managed on disk: loading or unloading them by name over the
+  API is a 409 (`AdapterDirError`), both ways.
 
 Device bank slots are serve/adapter_slots.py's; serve/registry.py puts the two together.
 """
@@ -30,11 +43,13 @@ import numpy as np
 from prometheus_client import Histogram
 
 from preft_jax.adapters.config import LoraWeights, ReftWeights
+from preft_jax.adapters.peft_io import AdapterFileNotFoundError, UnsupportedAdapterError
 from preft_jax.adapters.policy import PositionPolicy, with_serving_policy
 from preft_jax.adapters.reft_io import load_adapter
 from preft_jax.config import ModelConfig
-from serve.errors import (AdapterCapacityError, AdapterExistsError, AdapterInUseError, AdapterLoadError,
-                          RequestError, UnknownAdapterError)
+from serve.access import OutsideRootError, check_files_inside
+from serve.errors import (AdapterCapacityError, AdapterDirError, AdapterExistsError, AdapterFitError, AdapterInUseError,
+                          AdapterLoadError, RequestError, UnknownAdapterError)
 
 MODES = ("prefill", "all")                     # engine modes (policy.serving_policy)
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -127,6 +142,39 @@ def _nbytes(weights) -> int:
     return int(np.asarray(weights.R).nbytes + np.asarray(weights.W).nbytes + np.asarray(weights.b).nbytes)
 
 
+class _FitError(ValueError):
+    """Valid weights that do not fit the adapter bank (raised by `slot_update`)."""
+
+
+class _ChangedWhileReading(ValueError):
+    pass
+
+
+def _failed(error: Exception) -> concurrent.futures.Future:
+    f = concurrent.futures.Future()
+    f.set_exception(error)
+    return f
+
+
+def _public_reason(e: Exception, path: str | None) -> str:
+    """Why a folder did not load, for a client: the kind of problem and the file it is in, never a
+    server path or a value read from the files (the full message is the operator's: the log, str())."""
+    if isinstance(e, (OutsideRootError, _ChangedWhileReading)):
+        return str(e)                               # built from file names only
+    msg, folder = str(e), (path or "").rstrip(os.sep)
+    if isinstance(e, AdapterFileNotFoundError) and folder:      # fixed file names and the folder: no contents
+        return msg.replace(folder + os.sep, "").replace(folder, "the adapter folder")
+    m = re.search(re.escape(folder + os.sep) + r"([^\s:'\"]+)", msg) if folder else None
+    where = repr(m.group(1)) if m else "the adapter folder"
+    if isinstance(e, UnsupportedAdapterError):
+        return f"{where} uses a feature preft_jax does not serve (DoRA, biases, modules_to_save, per-module ranks, ...)"
+    if isinstance(e, (ValueError, TypeError)):
+        return f"{where} is malformed or does not fit this model"
+    if isinstance(e, OSError):
+        return f"{where} cannot be read"
+    return "not a valid adapter"
+
+
 def _folder_kind(path: str) -> str:
     from preft_jax.adapters.reft_io import adapter_kind
     try:
@@ -160,6 +208,8 @@ class AdapterRef:
 class _Source:
     path: str | None
     weights: LoraWeights | ReftWeights | None
+    root: str | None = None                     # every file of `path` must resolve inside it (None: trusted)
+    draining: bool = False                      # unloaded: no new requests; the last release forgets it
 
 
 class TierStats:
@@ -220,10 +270,13 @@ class AdapterCatalog:
             return True
 
     # ---- known adapters ----------------------------------------------------------------------
-    def load(self, name: str, adapter: LoraWeights | ReftWeights | str | os.PathLike) -> str:
+    def load(self, name: str, adapter: LoraWeights | ReftWeights | str | os.PathLike, root: str | None = None) -> str:
         """Registers `name` (a folder or weights) and loads it into the host tier now, so a bad
-        adapter fails here. Returns its kind ("lora" | "reft"). Raises AdapterExistsError,
-        AdapterCapacityError (more than max_registered) or AdapterLoadError."""
+        adapter fails here. Returns its kind ("lora" | "reft"). `root`: every file of the folder must
+        resolve inside it, now and on every reload (a run-time load from the server's adapter root).
+        Raises AdapterExistsError, AdapterDirError (a name `adapter_dir` provides), AdapterInUseError
+        (its previous registration is still draining), AdapterCapacityError (more than
+        max_registered) or AdapterLoadError."""
         check_adapter_name(name)
         with self.lock:
             self._check_loadable_locked(name)
@@ -231,31 +284,68 @@ class AdapterCatalog:
         if path is None and not isinstance(adapter, (LoraWeights, ReftWeights)):
             raise AdapterLoadError(f"cannot load adapter {name!r}: expected LoraWeights, ReftWeights or a folder "
                                    f"path, got {type(adapter).__name__}")
-        entry = self._load_entry(name, path, None if path else adapter)
+        src = _Source(path, None if path else adapter, root=None if root is None else os.path.realpath(root))
+        entry = self._load_entry(name, src)
         with self.lock:
             self._check_loadable_locked(name)
-            self._sources[name] = _Source(path, None if path else adapter)
+            self._sources[name] = src
             self._insert_host_locked(entry)
         return entry.kind
 
+    def check_loadable(self, name: str) -> None:
+        """Raises what `load(name, ...)` would for the name alone (exists, draining, --adapter-dir, capacity)."""
+        check_adapter_name(name)
+        with self.lock:
+            self._check_loadable_locked(name)
+
     def _check_loadable_locked(self, name: str):
-        if name in self._sources:
+        src = self._sources.get(name)
+        if src is not None and src.draining:
+            raise AdapterInUseError(f"adapter {name!r} is still draining: {self.refs[name]} running or queued "
+                                    f"request(s) use its previous registration; load it again once it has "
+                                    f"unloaded (DELETE /v1/adapters/{name} reports its state)")
+        if src is not None:
             raise AdapterExistsError(f"adapter {name!r} is already loaded; unload it first")
+        if self._dir_path(name) is not None:
+            raise AdapterDirError(f"adapter name {name!r} is taken by a folder in the adapter directory "
+                                  f"(--adapter-dir), which serves it by name; choose another name")
         if self.slot_update is None:
             raise AdapterCapacityError("this engine was started without adapter slots (capacity 0)")
         if self.max_registered is not None and len(self._sources) >= self.max_registered:
             raise AdapterCapacityError(f"all {self.max_registered} adapter registrations are in use; unload one first")
 
-    def unload(self, name: str) -> None:
-        """Forgets a registered adapter. Raises UnknownAdapterError, or AdapterInUseError while in use."""
+    def unload(self, name: str, drain: bool = False) -> str:
+        """Forgets a registered adapter: "unloaded" when no request holds it. While requests hold it:
+        with `drain`, "draining" (new requests no longer find it; the last release unloads it; asking
+        again answers the state again), else AdapterInUseError. Raises UnknownAdapterError, or
+        AdapterDirError for a name `adapter_dir` provides (it is managed on disk)."""
         with self.lock:
-            if name not in self._sources:
+            src = self._sources.get(name)
+            if src is None:
+                if self._dir_path(name) is not None:
+                    raise AdapterDirError(f"adapter {name!r} is served from the adapter directory (--adapter-dir) "
+                                          f"and cannot be unloaded over the API; remove or rename its folder")
                 raise self._unknown(name)
             if self.refs[name]:
-                raise AdapterInUseError(f"adapter {name!r} is used by {self.refs[name]} running or queued "
-                                        f"request(s); retry when they finish")
-            del self._sources[name]
-            self._drop_host_locked(name)
+                if not (drain or src.draining):
+                    raise AdapterInUseError(f"adapter {name!r} is used by {self.refs[name]} running or queued "
+                                            f"request(s); retry when they finish")
+                if not src.draining:
+                    src.draining = True
+                    log.info("adapter %r draining: %d running or queued request(s) finish on it first",
+                             name, self.refs[name])
+                return "draining"
+            self._forget_locked(name)
+            return "unloaded"
+
+    def _forget_locked(self, name: str) -> None:
+        del self._sources[name]
+        self._drop_host_locked(name)
+
+    def draining(self) -> dict[str, int]:
+        """Adapters unloaded while in use: name -> the references still held."""
+        with self.lock:
+            return {n: self.refs[n] for n, src in self._sources.items() if src.draining}
 
     def _dir_path(self, name: str) -> str | None:
         """adapter_dir/name when it is a folder inside adapter_dir (symlinks resolved)."""
@@ -266,22 +356,28 @@ class AdapterCatalog:
             return None
         return real
 
+    def _live(self, name: str) -> _Source | None:
+        """The registration new requests may use (None: unknown or draining)."""
+        src = self._sources.get(name)
+        return None if src is None or src.draining else src
+
     def _unknown(self, name: str) -> UnknownAdapterError:
-        known = sorted(self._sources)
+        known = sorted(n for n, src in self._sources.items() if not src.draining)
         listing = ", ".join(known[:20]) + (" ..." if len(known) > 20 else "") if known else "none"
         extra = " or in the adapter directory" if self.adapter_dir else ""
         return UnknownAdapterError(f"unknown adapter {name!r} (not registered{extra}; registered: {listing})")
 
     def __contains__(self, name) -> bool:
         with self.lock:
-            return isinstance(name, str) and (name in self._sources or self._dir_path(name) is not None)
+            return isinstance(name, str) and (self._live(name) is not None or self._dir_path(name) is not None)
 
     def names(self) -> dict[str, str]:
         """Registered adapters and adapters in the host tier: name -> "lora" | "reft"."""
         with self.lock:
-            out = {n: e.kind for n, e in self._host.items()}
+            gone = {n for n, src in self._sources.items() if src.draining}
+            out = {n: e.kind for n, e in self._host.items() if n not in gone}
             for n, src in self._sources.items():
-                if n not in out:
+                if n not in out and n not in gone:
                     out[n] = _folder_kind(src.path) if src.path else (
                         "lora" if isinstance(src.weights, LoraWeights) else "reft")
             return out
@@ -294,29 +390,53 @@ class AdapterCatalog:
         weights = with_serving_policy(weights, self.mode)
         if weights.config.policy.mode == "activated":       # issue 26 phase 2: the engine passes no starts yet
             raise ValueError("activated (aLoRA) adapters are not served yet (library generation supports them)")
-        update = self.slot_update(weights)           # raises ValueError when it does not fit the bank
+        try:
+            update = self.slot_update(weights)           # raises ValueError when it does not fit the bank
+        except ValueError as e:
+            raise _FitError(f"{e} (the server's --lora-rank / --reft-rank size the adapter bank)") from None
         kind = "lora" if isinstance(weights, LoraWeights) else "reft"
         return HostEntry(name, weights, kind, weights_digest(weights), _nbytes(weights), signature, path,
                          update=update, policy=weights.config.policy)
 
-    def _load_entry(self, name: str, path: str | None, weights=None) -> HostEntry:
-        """Reads and validates one adapter (loader thread or caller). Raises AdapterLoadError."""
+    def _load_entry(self, name: str, src: _Source) -> HostEntry:
+        """Reads and validates one adapter (loader thread or caller). Raises AdapterLoadError (its
+        `public_message` without server paths or file contents) or AdapterFitError."""
         t0 = time.monotonic()
+        path, weights = src.path, src.weights
         try:
-            signature = folder_signature(path) if path else None
+            signature = None
             if path is not None:
-                weights = load_adapter(path, self.cfg)
-            entry = self._entry(name, weights, path, signature)
-        except (OSError, ValueError, TypeError) as e:
-            self.stats.load_failures += 1
-            raise AdapterLoadError(f"cannot load adapter {name!r}" + (f" from {path!r}" if path else "") + f": {e}",
-                                   "model") from e
+                weights, signature = self._read_folder(path, src.root)
         except Exception as e:  # noqa: BLE001 - any loader failure is the adapter's problem, never a 500
             self.stats.load_failures += 1
-            log.exception("unexpected error loading adapter %r from %r", name, path)
-            raise AdapterLoadError(f"cannot load adapter {name!r}: not a valid adapter", "model") from e
+            detail = f"cannot load adapter {name!r} from {path!r}: {e}"
+            if isinstance(e, (OSError, ValueError, TypeError)):
+                log.warning("%s", detail)
+            else:
+                log.exception("unexpected error loading adapter %r from %r", name, path)
+            raise AdapterLoadError(detail, "model", f"cannot load adapter {name!r}: {_public_reason(e, path)}") from e
+        try:
+            entry = self._entry(name, weights, path, signature)
+        except (ValueError, TypeError) as e:    # our own checks of the weights: no file contents, no paths
+            self.stats.load_failures += 1
+            cls = AdapterFitError if isinstance(e, _FitError) else AdapterLoadError
+            raise cls(f"cannot load adapter {name!r}" + (f" from {path!r}" if path else "") + f": {e}", "model",
+                      f"cannot load adapter {name!r}: {e}") from e
         self.stats.load_seconds.observe(time.monotonic() - t0)
         return entry
+
+    def _read_folder(self, path: str, root: str | None):
+        """(weights, folder signature) of an adapter folder; with a `root`, every file resolves inside
+        it before and after the read, and the folder must not change while it is read."""
+        if root is not None:
+            check_files_inside(path, root)
+        signature = folder_signature(path)
+        weights = load_adapter(path, self.cfg)
+        if root is not None:
+            check_files_inside(path, root)
+            if folder_signature(path) != signature:
+                raise _ChangedWhileReading("the adapter folder changed while it was read; retry")
+        return weights, signature
 
     def _insert_host_locked(self, entry: HostEntry):
         self._drop_host_locked(entry.name)
@@ -334,9 +454,14 @@ class AdapterCatalog:
         if e is not None:
             self._host_bytes -= e.nbytes
 
-    def _source_path(self, name: str) -> str | None:
+    def _source(self, name: str) -> _Source | None:
+        """How to (re)load `name`: its registration (draining included: requests that hold it still
+        resolve it) or its folder in `adapter_dir`."""
         src = self._sources.get(name)
-        return src.path if src is not None else self._dir_path(name)
+        if src is not None:
+            return src
+        path = self._dir_path(name)
+        return None if path is None else _Source(path, None, root=self.adapter_dir)
 
     def _current_locked(self, name: str) -> HostEntry | None:
         """The host entry for `name` if present and not stale (its folder unchanged)."""
@@ -351,7 +476,14 @@ class AdapterCatalog:
         return e
 
     def prepare(self, name: str) -> concurrent.futures.Future:
-        """A future of the current host entry of `name` (loading it in the background if needed)."""
+        """A future of the current host entry of `name` (loading it in the background if needed);
+        a draining adapter is unknown to new requests."""
+        with self.lock:
+            if name in self._sources and self._live(name) is None:
+                return _failed(self._unknown(name))
+            return self._prepare_any(name)
+
+    def _prepare_any(self, name: str) -> concurrent.futures.Future:
         with self.lock:
             entry = self._current_locked(name)
             if entry is not None:
@@ -361,21 +493,18 @@ class AdapterCatalog:
                 return f
             if name in self._loading:
                 return self._loading[name]
-            path = self._source_path(name)
-            src = self._sources.get(name)
-            if path is None and (src is None or src.weights is None):
-                f = concurrent.futures.Future()
-                f.set_exception(self._unknown(name))
-                return f
+            src = self._source(name)
+            if src is None or (src.path is None and src.weights is None):
+                return _failed(self._unknown(name))
             self.stats.host_misses += 1
-            fut = self._pool.submit(self._load_entry, name, path, None if path else src.weights)
+            fut = self._pool.submit(self._load_entry, name, src)
             self._loading[name] = fut
 
         def done(f):
             with self.lock:
                 if self._loading.get(name) is f:
                     del self._loading[name]
-                if f.exception() is None and (name in self._sources or self._dir_path(name)):
+                if f.exception() is None and self._source(name) is not None:
                     self._insert_host_locked(f.result())
         fut.add_done_callback(done)
         return fut
@@ -386,17 +515,25 @@ class AdapterCatalog:
         if name is None:
             return None
         with self.lock:
-            if name not in self._sources and self._dir_path(name) is None:
+            if self._live(name) is None and self._dir_path(name) is None:
                 raise self._unknown(name)
             self.refs[name] += 1
         return AdapterRef(name)
 
-    def release(self, ref: AdapterRef) -> None:
-        """Drops `ref`'s reference (its adapter slot must be unpinned already)."""
+    def release(self, ref: AdapterRef) -> bool:
+        """Drops `ref`'s reference (its adapter slot must be unpinned already). True when it was the
+        last reference on a draining adapter, which is now unloaded."""
         with self.lock:
             self.refs[ref.name] -= 1
-            if self.refs[ref.name] <= 0:
-                del self.refs[ref.name]
+            if self.refs[ref.name] > 0:
+                return False
+            del self.refs[ref.name]
+            src = self._sources.get(ref.name)
+            if src is None or not src.draining:
+                return False
+            self._forget_locked(ref.name)
+            log.info("adapter %r drained and unloaded", ref.name)
+            return True
 
     def in_use(self, name: str) -> int:
         with self.lock:
@@ -409,7 +546,7 @@ class AdapterCatalog:
         Raises the load error when the adapter cannot be loaded."""
         if ref.entry is not None:
             return ref.entry
-        fut = self.prepare(ref.name)
+        fut = self._prepare_any(ref.name)        # a draining adapter too: this request holds it
         if not fut.done():
             return None
         ref.entry = fut.result()           # raises AdapterLoadError / UnknownAdapterError
@@ -418,7 +555,9 @@ class AdapterCatalog:
     def occupancy(self) -> dict:
         with self.lock:
             return {"host_entries": len(self._host), "host_bytes": self._host_bytes,
-                    "registered": len(self._sources), "loading": len(self._loading)}
+                    "registered": len(self._sources), "loading": len(self._loading),
+                    "draining": sum(src.draining for src in self._sources.values()),
+                    "references": sum(self.refs.values())}
 
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -303,7 +303,7 @@ class Engine:
                 self._sweep()
                 plan = self.scheduler.schedule(self._adapter_ready)
                 for seq, err in self._load_failures:
-                    self._terminate(seq.req, error=EngineError(str(err), err.status, err.code))
+                    self._terminate(seq.req, error=EngineError(err.public_message, err.status, err.code))
                 self._load_failures.clear()
                 if plan.preempted:
                     log.info("preempted %s (KV pool exhausted); they will be recomputed",

@@ -1,6 +1,9 @@
 """Request errors, raised at submit / load time so that nothing else in the engine is touched.
 
-Each class carries the HTTP status and the OpenAI-style error `code` the server answers with.
+Each class carries the HTTP status and the OpenAI-style error `code` the server answers with, and
+`public_message`: what a client is told. It is the message itself, except where the message holds
+details only the server's operator may see (an adapter load error's server paths and file contents:
+`AdapterLoadError`).
 """
 
 
@@ -12,6 +15,11 @@ class RequestError(ValueError):
     def __init__(self, message: str = "", param: str | None = None):
         super().__init__(message)
         self.param = param
+
+    @property
+    def public_message(self) -> str:
+        """The message a client gets (the server's error handlers and streams send only this)."""
+        return str(self)
 
 
 class UnknownAdapterError(RequestError):
@@ -26,7 +34,8 @@ class PromptTooLongError(RequestError):
 
 
 class AdapterInUseError(RequestError):
-    """Unloading an adapter that running or queued requests still use."""
+    """Unloading an adapter that running or queued requests still use (without draining), or loading
+    a name whose previous registration is still draining."""
     status = 409
     code = "adapter_in_use"
 
@@ -44,9 +53,33 @@ class AdapterCapacityError(RequestError):
     code = "adapter_capacity_exhausted"
 
 
+class AdapterDirError(RequestError):
+    """Loading or unloading, over the API, a name that a folder in the adapter directory
+    (`--adapter-dir`) provides: such adapters are managed on disk (add, replace or remove the folder)."""
+    status = 409
+    code = "adapter_in_adapter_dir"
+
+
 class AdapterLoadError(RequestError):
-    """An adapter folder is missing, malformed, or does not fit the bank (targets, rank, kind)."""
+    """An adapter folder is missing, malformed, or does not fit the bank (targets, rank, kind).
+
+    `str(e)` is the full detail (server paths, the loader's message, which may quote the files'
+    contents) for the operator and library callers; `public_message` names the adapter and the
+    problem without either, for clients."""
     code = "adapter_load_failed"
+
+    def __init__(self, message: str = "", param: str | None = None, public: str | None = None):
+        super().__init__(message, param)
+        self._public = public
+
+    @property
+    def public_message(self) -> str:
+        return str(self) if self._public is None else self._public
+
+
+class AdapterFitError(AdapterLoadError):
+    """A valid adapter that does not fit the server's adapter bank (its rank above the bank's, a
+    target or kind the bank has no slots for): the server's --lora-rank / --reft-rank decide."""
 
 
 class QueueFullError(RequestError):

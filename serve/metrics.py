@@ -115,6 +115,10 @@ class EngineCollector:
         yield _gauge("preft_decode_rows", "rows of the decode batch (sequences that can run at once)",
                      h["decode_rows"])
         yield _gauge("preft_adapters_loaded", "adapters loaded", len(reg.names()))
+        yield _gauge("preft_adapters_draining", "adapters unloaded while in use, waiting for their requests to end",
+                     occ["draining"])
+        yield _gauge("preft_adapter_references", "adapter references held by running or queued requests",
+                     occ["references"])
         yield _gauge("preft_engine_wedged", "1 when the engine loop is stuck or dead", int(h["wedged"]))
         yield _counter("preft_requests_by_mode_total", "requests accepted, by serving mode", labels=("mode",),
                        samples=[((k,), n) for k, n in sorted(m.by_mode.items())])

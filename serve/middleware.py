@@ -1,18 +1,24 @@
-"""Pure-ASGI middleware: request ids and the request body size limit.
+"""Pure-ASGI middleware: request ids, the request body size limit and the body deadline.
 
 * `X-Request-ID`: taken from the request when it is 1-64 characters of [A-Za-z0-9._-], else a new
   one is made; it is stored in `scope["state"]["request_id"]`, echoed in the response header and
   used in the engine's logs.
 * Bodies larger than `max_body_bytes` get a 413 before the handler reads them: from Content-Length
   when given, else counted as chunks arrive (chunked uploads).
+* A body must arrive within `body_timeout` seconds of its headers (a client that trickles it in is
+  a 408 and the connection closes); the headers' own deadline is serve/connections.py's.
+* Request line + headers larger than `max_header_bytes` are a 431 (uvicorn's h11 limit, set to the
+  same size, only bounds headers that arrive in pieces).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import re
 import uuid
 
-from serve.errors import PayloadTooLargeError
+from serve.errors import PayloadTooLargeError, RequestError
 
 _RID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -37,9 +43,17 @@ class _TooLarge(PayloadTooLargeError):
     """Raised from receive(): the app's RequestError handler answers 413 (or this middleware does)."""
 
 
+class _BodyTimeout(RequestError):
+    """Raised from receive(): the body did not arrive in time (the app's handler answers 408)."""
+    status = 408
+    code = "request_timeout"
+
+
 class LimitsMiddleware:
-    def __init__(self, app, max_body_bytes: int, on_response=None):
+    def __init__(self, app, max_body_bytes: int, body_timeout: float = 60.0, max_header_bytes: int = 16 * 1024,
+                 on_response=None):
         self.app, self.max_body_bytes, self.on_response = app, max_body_bytes, on_response
+        self.body_timeout, self.max_header_bytes = body_timeout, max_header_bytes
 
     async def _reject(self, scope, send, status, message, code, rid):
         if self.on_response is not None:
@@ -52,6 +66,11 @@ class LimitsMiddleware:
         given = (_header(scope, b"x-request-id") or b"").decode("latin-1")
         rid = given if _RID_RE.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+            len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        if head > self.max_header_bytes:
+            return await self._reject(scope, send, 431, f"request headers are larger than {self.max_header_bytes} "
+                                      f"bytes", "headers_too_large", rid)
         limit = self.max_body_bytes
         length = _header(scope, b"content-length")
         if length is not None:
@@ -64,14 +83,24 @@ class LimitsMiddleware:
                                           "payload_too_large", rid)
         seen = 0
         started = False
+        body_done = False
+        body_deadline = time.monotonic() + self.body_timeout
 
         async def counting_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:                             # later receives wait for a disconnect: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, body_deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise _BodyTimeout(f"the request body did not arrive within {self.body_timeout:g} s") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise _TooLarge(f"request body is larger than {limit} bytes")
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         async def send_with_id(message):
@@ -86,7 +115,7 @@ class LimitsMiddleware:
 
         try:
             await self.app(scope, counting_receive, send_with_id)
-        except _TooLarge:
+        except (_TooLarge, _BodyTimeout) as e:
             if not started:
-                await send_with_id({"type": "http.response.start", "status": 413, "headers": []})
+                await send_with_id({"type": "http.response.start", "status": e.status, "headers": []})
                 await send({"type": "http.response.body", "body": b""})

@@ -3,8 +3,10 @@
 A thin facade over two parts, so the engine and scheduler see one object:
 
 * serve/adapter_catalog.py: names (registered, or found under `adapter_dir` on first use), name and
-  weight validation, folder signatures, the host tier with its loader threads, and the references
-  requests hold (`acquire` / `release`): an adapter in use is never unloaded;
+  weight validation, folder signatures, containment in the adapter root, the host tier with its
+  loader threads, and the references requests hold (`acquire` / `release`): an adapter in use is
+  never unloaded under a request; `unload(name, drain=True)` retires it for new requests at once
+  and unloads it when its last request ends;
 * serve/adapter_slots.py: the device bank's `capacity` adapter slots (slot 0 is the base model),
   pinned while a request's prefill runs (PreFT) or while it runs (mode "all"), LRU-evicted,
   written by the bank's one slot writer (preft_jax/adapters/bank.py).
@@ -107,17 +109,30 @@ class AdapterRegistry:
                 self._register_static()            # the prebuilt bank's switched policies
 
     # ---- the catalog -------------------------------------------------------------------------
-    def load(self, name: str, adapter: LoraWeights | ReftWeights | str | os.PathLike) -> str:
+    def load(self, name: str, adapter: LoraWeights | ReftWeights | str | os.PathLike, root: str | None = None) -> str:
         """Registers `name` (a folder or weights) and loads it into the host tier now, so a bad
-        adapter fails here. Returns its kind ("lora" | "reft"). Raises AdapterExistsError,
-        AdapterCapacityError (more than max_registered) or AdapterLoadError."""
-        return self.catalog.load(name, adapter)
+        adapter fails here. Returns its kind ("lora" | "reft"). `root`: every file of the folder must
+        resolve inside it (serve/access.py). Raises AdapterExistsError, AdapterDirError,
+        AdapterInUseError (still draining), AdapterCapacityError or AdapterLoadError."""
+        return self.catalog.load(name, adapter, root)
 
-    def unload(self, name: str) -> None:
-        """Forgets a registered adapter. Raises UnknownAdapterError, or AdapterInUseError while in use."""
+    def check_loadable(self, name: str) -> None:
+        """Raises what `load(name, ...)` would for the name alone (exists, draining, --adapter-dir, capacity)."""
+        self.catalog.check_loadable(name)
+
+    def unload(self, name: str, drain: bool = False) -> str:
+        """Forgets a registered adapter: "unloaded", or with `drain` while requests hold it,
+        "draining" (unknown to new requests; unloaded when the last one ends). Raises
+        UnknownAdapterError, AdapterDirError, or AdapterInUseError while in use without `drain`."""
         with self.catalog.lock:
-            self.catalog.unload(name)
-            self.slots.forget(name)
+            state = self.catalog.unload(name, drain)
+            if state == "unloaded":
+                self.slots.forget(name)
+            return state
+
+    def draining(self) -> dict[str, int]:
+        """Adapters draining: name -> requests still holding them."""
+        return self.catalog.draining()
 
     def __contains__(self, name) -> bool:
         return name in self.catalog
@@ -138,7 +153,8 @@ class AdapterRegistry:
         """Drops a request's reference (its device pin is the scheduler's: released before this)."""
         if ref is None:
             return
-        self.catalog.release(ref)
+        if self.catalog.release(ref):              # the last request of a draining adapter: unloaded
+            self.slots.forget(ref.name)
 
     def in_use(self, name: str) -> int:
         return self.catalog.in_use(name)

@@ -15,27 +15,38 @@ error handlers (serve/api/errors.py), metrics (serve/metrics.py) and the limits 
 Hardening (docs/serving.md lists every limit):
 * bodies are parsed and validated here (serve/protocol.py): every malformed body is a 400 naming the
   field; bad requests are refused before they reach the engine, so they never touch running ones;
-* keys and the adapter root (serve/access.py), body size and request ids (serve/middleware.py);
+* keys and the adapter root (serve/access.py), body size, body deadline and request ids
+  (serve/middleware.py), header deadline (serve/connections.py), keep-alive and header size limits;
+  with an API key, /openapi.json needs it and /docs, /redoc are off;
 * tokenization runs off the event loop, after a length pre-check that needs no tokenization;
 * waiting and streaming handlers hold no thread (serve/bridge.py); a client that disconnects has
   its request cancelled within one engine step; every wait has a deadline;
 * a full queue is a 429 with Retry-After; a shutting-down engine a 503; a 500 never leaks internals
   (the log has the traceback and the request id).
+
+Shutdown (SIGTERM / SIGINT, `serve_forever`): the engine stops accepting (generation requests get
+503, /health 503 `shutting_down`) and drains: running and queued requests get `shutdown_grace`
+seconds to finish, then fail; only then does the HTTP server close its socket and exit, so probes
+see the 503 the whole time. A second signal exits at once.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+import signal
 import socket
 import threading
 import time
 
 import anyio
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 import preft_jax
-from serve.access import ServerConfig
+from serve.access import ServerConfig, check_api_key
 from serve.api import chat, completions, models, ops
 from serve.api.common import ApiContext
+from serve.connections import guarded_h11
 from serve.api.errors import install_error_handlers
 from serve.metrics import ServerMetrics
 from serve.middleware import LimitsMiddleware
@@ -44,6 +55,7 @@ from serve.protocol import BadRequest
 __all__ = ["create_app", "serve_forever", "BackgroundServer", "ServerConfig", "BadRequest"]
 
 ROUTERS = (completions.router, chat.router, models.router, ops.router)
+log = logging.getLogger("serve.server")
 
 
 def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
@@ -60,9 +72,17 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
         yield
         await anyio.to_thread.run_sync(lambda: engine.shutdown(grace=config.shutdown_grace))
 
-    app = FastAPI(title="preft_jax server", version=preft_jax.__version__, lifespan=lifespan)
+    locked = config.api_key is not None            # the schema is behind the key, the browser docs are off
+    app = FastAPI(title="preft_jax server", version=preft_jax.__version__, lifespan=lifespan,
+                  **(dict(docs_url=None, redoc_url=None, openapi_url=None) if locked else {}))
+    if locked:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request):
+            check_api_key(config, request.headers)
+            return JSONResponse(app.openapi())
     metrics = ServerMetrics(engine)
-    app.add_middleware(LimitsMiddleware, max_body_bytes=config.max_body_bytes, on_response=metrics.on_response)
+    app.add_middleware(LimitsMiddleware, max_body_bytes=config.max_body_bytes, body_timeout=config.body_timeout,
+                       max_header_bytes=config.max_header_bytes, on_response=metrics.on_response)
     app.state.engine, app.state.tokenizer, app.state.model_id, app.state.config = engine, tokenizer, model_id, config
     app.state.api = ApiContext(engine, tokenizer, model_id, config, metrics)
     install_error_handlers(app, app.state.api.retry)
@@ -73,21 +93,38 @@ def create_app(engine, tokenizer, model_id: str = "smollm2-135m-instruct",
 
 # ---- running it ----------------------------------------------------------------------------------
 def _uvicorn_server(app: FastAPI, log_level: str):
-    """A uvicorn Server whose exit signal starts the engine's drain at once (new requests get 503,
-    running ones `shutdown_grace` seconds to finish, then fail), with uvicorn's own graceful
-    shutdown bounded by the same grace as a backstop."""
+    """A uvicorn Server with the connection limits of the app's ServerConfig, whose first exit
+    signal drains the engine while HTTP keeps answering (generation 503, /health 503), then exits;
+    a second signal exits at once. uvicorn's own graceful shutdown is bounded as a backstop."""
     import uvicorn
-    grace = app.state.config.shutdown_grace
+    config: ServerConfig = app.state.config
+    grace = config.shutdown_grace
     engine = app.state.engine
 
     class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if not self.should_exit:
-                threading.Thread(target=engine.shutdown, kwargs={"grace": grace}, name="preft-drain",
-                                 daemon=True).start()
-            super().handle_exit(sig, frame)
+        draining = None
 
-    return _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + 5))
+        def handle_exit(self, sig, frame):
+            if self.draining is None and not self.should_exit:
+                if hasattr(self, "_captured_signals"):
+                    self._captured_signals.append(sig)        # uvicorn (>= 0.29) re-raises it after its shutdown
+                log.info("received %s: draining (no new requests; running ones get %.0f s), then exiting",
+                         signal.Signals(sig).name, grace)
+                self.draining = threading.Thread(target=self._drain, name="preft-drain", daemon=True)
+                self.draining.start()
+                return
+            super().handle_exit(sig, frame)                   # a second signal: exit now
+
+        def _drain(self):
+            try:
+                engine.shutdown(grace=grace)
+            finally:
+                self.should_exit = True
+
+    return _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + 5,
+                                  http=guarded_h11(config.header_timeout), timeout_keep_alive=config.keep_alive_timeout,
+                                  h11_max_incomplete_event_size=config.max_header_bytes,
+                                  limit_concurrency=config.limit_concurrency))
 
 
 def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

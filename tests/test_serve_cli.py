@@ -101,3 +101,26 @@ def test_unknown_backend_or_dtype_exits_2():
     assert r.returncode == 2 and "'auto', 'jnp', 'xla', 'pallas'" in r.stderr
     r = run_cli("server", "--dtype", "float16")
     assert r.returncode == 2 and "'float32', 'bfloat16'" in r.stderr
+
+
+def test_adapter_errors_name_the_real_problem(tmp_path):
+    """Issue 23: NaN weights or a bad adapter name are reported as such, not blamed on --lora-rank;
+    only an adapter that does not fit the bank names --lora-rank."""
+    import numpy as np
+    from adapter_factory import random_lora
+    from preft_jax.adapters.peft_io import save_peft_lora
+    from preft_jax.config import tiny_config
+    cfg = tiny_config(max_seq_len=1024)
+    nan = random_lora(cfg, 1, rank=4, targets=("q",))
+    nan.A["q"][0, 1, 2] = np.nan
+    save_peft_lora(tmp_path / "nan", nan, cfg)
+    save_peft_lora(tmp_path / "ok", random_lora(cfg, 2, rank=4, targets=("q",)), cfg)
+    args = ("generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "2")
+    r = run_cli(*args, "--adapter", f"a={tmp_path / 'nan'}")
+    assert r.returncode == 2 and "error: cannot load adapter 'a': LoRA A[q] holds NaN or Inf values" in r.stderr, r.stderr
+    assert "--lora-rank" not in r.stderr
+    r = run_cli(*args, "--adapter", f"bad name={tmp_path / 'ok'}")
+    assert r.returncode == 2 and "adapter name must match" in r.stderr and "--lora-rank" not in r.stderr, r.stderr
+    r = run_cli("server", "--model", "tiny", "--lora-rank", "2", "--port", "0", "--adapter", f"a={tmp_path / 'ok'}")
+    assert r.returncode == 2 and "LoRA rank 4 exceeds the bank's rank 2" in r.stderr and "--lora-rank" in r.stderr, \
+        r.stderr

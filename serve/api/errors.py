@@ -14,7 +14,7 @@ def install_error_handlers(app: FastAPI, retry: dict) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        return error_response(exc.status, str(exc), exc.code, getattr(exc, "param", None),
+        return error_response(exc.status, exc.public_message, exc.code, getattr(exc, "param", None),
                               retry if exc.status in (429, 503) else None)
 
     @app.exception_handler(EngineError)

@@ -14,7 +14,8 @@ router = APIRouter()
 async def health(request: Request):
     ctx = api_context(request)
     h = ctx.engine.health()
-    h.update(model=ctx.model_id, adapters=len(ctx.registry.names()), adapter_slots=ctx.registry.capacity,
+    h.update(model=ctx.model_id, adapters=len(ctx.registry.names()), adapters_draining=len(ctx.registry.draining()),
+             adapter_slots=ctx.registry.capacity,
              runtime=runtime_status())       # caches and native library; "degraded": one line per mode
     if h["wedged"] or not h["loop_running"]:
         return JSONResponse(dict(h, status="unhealthy"), status_code=503)

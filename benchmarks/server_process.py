@@ -1,0 +1,94 @@
+"""A real `python -m serve server` in its own process on 127.0.0.1, for drivers and tests that need
+one (signals, shutdown, slowloris, soak): start it, wait until /health answers 200, read its RSS,
+open file descriptors and threads from /proc, stop it with a signal.
+
+    with ServerProcess(["--model", "tiny", "--max-num-seqs", "4"], log_path) as srv:
+        httpx.get(f"{srv.url}/health")
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: str | os.PathLike, startup_timeout: float = 600.0,
+                 env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = pathlib.Path(log_path)
+        self.log = open(self.log_path, "w")
+        env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), PYTHONUNBUFFERED="1",
+                   **(env or {}))
+        if "--log-level" not in args:
+            args = [*args, "--log-level", "warning"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "serve", "server", "--port", str(self.port), *args],
+                                     cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.close()
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {startup_timeout:.0f} s: {self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _status(self, key: str) -> int:
+        for line in open(f"/proc/{self.proc.pid}/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+        return 0
+
+    def rss_mb(self) -> float:
+        return self._status("VmRSS") / 1024
+
+    def threads(self) -> int:
+        return self._status("Threads")
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout` s; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
