@@ -11,8 +11,6 @@ import os
 import pathlib
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,60 +19,23 @@ import numpy as np
 import pytest
 
 from adapter_factory import random_lora, random_reft
+from server_client import stream_completion as _stream
 from preft_jax.adapters.peft_io import save_peft_lora
 from preft_jax.adapters.reft_io import save_reft
+from benchmarks.server_process import ServerProcess
 from preft_jax.config import tiny_config
 
 ADMIN = "admin-key-123"
 API = "api-key-456"
 CFG = tiny_config(max_seq_len=1024)          # what `--model tiny` builds
-ROOT_DIR = pathlib.Path(__file__).resolve().parents[1]
 GOOD = [("lora-a", "the quick brown fox", 48), ("reft-b", "hello there", 48), ("tiny", "abc", 48)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """The tiny model's server (benchmarks/server_process.py), healthy within 240 s."""
 
-
-class Server:
     def __init__(self, args: list[str], log_path: pathlib.Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "serve", "server", "--model", "tiny", "--port",
-                                      str(self.port), "--log-level", "warning", *args],
-                                     cwd=ROOT_DIR, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("server did not become healthy")
-
-    def rss_mb(self) -> float:
-        for line in open(f"/proc/{self.proc.pid}/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        super().__init__(["--model", "tiny", *args], log_path, startup_timeout=240)
 
 
 def _save_adapters(root: pathlib.Path):
@@ -147,22 +108,6 @@ def server(adapter_root, tmp_path_factory):
     srv.rss_start = srv.rss_mb()
     yield srv
     srv.stop()
-
-
-def _stream(url: str, model: str, prompt: str, max_tokens: int, first: threading.Event | None = None,
-            headers=None) -> str:
-    out = []
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120, headers=headers) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                data = json.loads(line[6:])
-                assert "error" not in data, data
-                out.append(data["choices"][0]["text"])
-                if first is not None:
-                    first.set()
-    return "".join(out)
 
 
 @pytest.fixture(scope="module")
