@@ -68,13 +68,25 @@ def paged_forward(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCach
     return model.logits(last), cache
 
 
+PROMPT_LOGIT_ELEMENTS = 1 << 23       # float32 logits computed at once for prompt log-probs (32 MiB)
+
+
+def prompt_logprob_positions(R: int, C: int, V: int) -> int:
+    """Chunk positions whose [R, V] logits `_prompt_logprobs` computes together: as many as keep
+    their logits under PROMPT_LOGIT_ELEMENTS, so the LM head is read C / that many times per chunk
+    (once per position, it was the cost of echo + logprobs: a 500-token prompt 10x its plain prefill)."""
+    return max(1, min(C, PROMPT_LOGIT_ELEMENTS // max(1, R * V)))
+
+
 def _prompt_logprobs(model, h, next_tokens):
-    """Per chunk position: log-prob of the next token and the top K, one position at a time (the
-    [R, C, V] logits are never materialized at once)."""
+    """Per chunk position: log-prob of the next token and the top K, `prompt_logprob_positions`
+    positions per LM-head matmul (the [R, C, V] logits are never materialized at once)."""
+    R, C = next_tokens.shape
     def one(args):
         hj, tj = args                                        # [R, d], [R]
         return token_logprobs(model.logits(hj), tj, MAX_TOP_LOGPROBS)
-    lp, vals, ids = jax.lax.map(one, (jnp.swapaxes(h, 0, 1), jnp.swapaxes(next_tokens, 0, 1)))
+    lp, vals, ids = jax.lax.map(one, (jnp.swapaxes(h, 0, 1), jnp.swapaxes(next_tokens, 0, 1)),
+                                batch_size=prompt_logprob_positions(R, C, model.cfg.vocab_size))
     return jnp.swapaxes(lp, 0, 1), jnp.swapaxes(vals, 0, 1), jnp.swapaxes(ids, 0, 1)
 
 

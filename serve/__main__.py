@@ -208,6 +208,8 @@ def cmd_server(args) -> int:
                            kv_cache_memory=args.kv_cache_memory, enable_prefix_cache=not args.no_prefix_cache,
                            cpu_decode=args.cpu_decode,
                            max_queued=args.max_queued, request_timeout=args.request_timeout or None,
+                           max_request_sequences=args.max_request_sequences,
+                           max_request_prompt_logprob_tokens=args.max_request_prompt_logprob_tokens,
                            warmup_logprobs=args.warmup_logprobs)
     warmup = "none" if args.no_warmup else args.warmup
     if warmup == "full":
@@ -313,6 +315,10 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     s.add_argument("--adapter-root", default=None,
                    help="run-time adapter loads read only folders under this directory")
     s.add_argument("--max-queued", type=int, default=1024, help="waiting requests before 429")
+    s.add_argument("--max-request-sequences", type=int, default=64,
+                   help="sequences one request may start (prompts x n); more is a 400")
+    s.add_argument("--max-request-prompt-logprob-tokens", type=int, default=8192,
+                   help="prompt tokens one request may ask log-probabilities of (echo + logprobs); more is a 400")
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="total seconds a request may take, queue included (0 = no limit)")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,

@@ -145,12 +145,13 @@ class Engine:
     def submit_n(self, prompt_ids: Seq[int], adapter: str | None = None,
                  sampling: SamplingParams = SamplingParams(), n: int = 1, stop: Seq[str] = (),
                  events: Seq | None = None, request_id: str | None = None,
-                 timeout: float | None = None) -> list[Request]:
+                 timeout: float | None = None, group: str | None = None) -> list[Request]:
         """`n` completions of one prompt (OpenAI `n`), one Request each (ids `<request_id>-<i>` when
         n > 1; `events`: one sink per completion). The prompt is prefilled once; the n sequences
         then share its KV blocks. With `sampling.seed`, completion i draws from a key derived from
         (seed, i): the same seed gives the same n outputs. Until the prompt is prefilled the n are
-        one unit: cancelling or failing the first ends them all."""
+        one unit: cancelling or failing the first ends them all. `group`: the client request these
+        belong to (default: this submission), the unit the scheduler shares steps between."""
         prompt_ids, stop = check_request(self.limits, prompt_ids, sampling, stop, n, timeout, events)
         timeout = self.config.request_timeout if timeout is None else timeout
         stop_ids = tuple(sampling.stop_token_ids) or tuple(self.runner.cfg.eos_token_ids)
@@ -171,7 +172,8 @@ class Engine:
         seqs = []
         for i, ref in enumerate(refs):
             req = Request(rid if n == 1 else f"{rid}-{i}", prompt_ids, adapter, sampling, stop_ids, stop, ref,
-                          deadline=deadline, tokenizer=self.tokenizer, on_stop=lambda r: self.cancel(r))
+                          deadline=deadline, tokenizer=self.tokenizer, on_stop=lambda r: self.cancel(r),
+                          group=group or rid)
             if sampling.seed is not None:
                 req.key_data = seed_key_data(sampling.seed, i)
             else:
@@ -245,7 +247,8 @@ class Engine:
         """What this engine can represent (serve/validation.py checks requests against it)."""
         c = self.config
         return RequestLimits(self.runner.cfg.vocab_size, c.max_model_len, c.max_num_seqs,
-                             self.pool.capacity * c.block_size, self.scheduler.fits_ever, self.tokenizer is not None)
+                             self.pool.capacity * c.block_size, self.scheduler.fits_ever, self.tokenizer is not None,
+                             c.max_request_sequences, c.max_request_prompt_logprob_tokens)
 
     # ---- state -----------------------------------------------------------------------------
     @property

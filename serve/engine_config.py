@@ -21,6 +21,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     seed: int = 0
     max_queued: int = 1024               # waiting requests beyond this are refused (HTTP 429)
+    max_request_sequences: int = 64      # sequences one client request may start (prompts x n; HTTP 400)
+    max_request_prompt_logprob_tokens: int = 8192   # prompt tokens one request may ask log-probs of (echo)
     request_timeout: float | None = 600.0   # total deadline per request in seconds (queue + generation)
     wedge_timeout: float = 60.0          # a step running longer than this makes `health()` report wedged
     starvation_s: float = 2.0            # waiting longer than this jumps the adapter-grouping order

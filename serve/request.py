@@ -59,6 +59,8 @@ class Request:
     stop_strings: tuple[str, ...]
     adapter_ref: object = None             # serve.registry.AdapterRef (None: the base model)
     deadline: float | None = None          # time.monotonic() by which the request must end
+    group: str | None = None               # the client request it belongs to (its prompts x n): the
+                                           # scheduler shares steps fairly between groups
     events: object = dataclasses.field(default_factory=queue.Queue)   # anything with .put(event)
     tokens: list[int] = dataclasses.field(default_factory=list)    # generated ids (engine side)
     cancelled: bool = False

@@ -33,6 +33,7 @@ first generated token's K/V lands there, so no sequence ever writes into a block
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections import deque
@@ -92,6 +93,21 @@ class SchedulerConfig:
     block_size: int
     mode: str = "prefill"
     starvation_s: float = 2.0
+
+
+def fair_pick(candidates: list, share: collections.Counter) -> int:
+    """Index of the next prefill candidate ((sequence, is_new) pairs in priority order): the first
+    one whose client request (`Request.group`) holds the fewest rows and chunks so far, so one
+    request with many prompts or n > 1 cannot take every prefill row and token of consecutive
+    steps while another request's prompt waits (round-robin between requests, FCFS within one)."""
+    best, best_share = 0, None
+    for i, (seq, _) in enumerate(candidates):
+        n = share[seq.req.group]
+        if best_share is None or n < best_share:
+            best, best_share = i, n
+            if n == 0:
+                break
+    return best
 
 
 class Scheduler:
@@ -252,26 +268,33 @@ class Scheduler:
                 decode.append(seq)
         budget -= len(decode)
         prefill: list[Chunk] = []
-        for seq in [s for s in self.running if s.status == PREFILL]:
-            if budget <= 0 or len(prefill) >= c.max_prefill_seqs:
-                break
-            chunk = self._chunk(seq, budget)
-            if chunk is None:
-                break
-            prefill.append(chunk)
-            budget -= chunk.length
-        for seq in self._admission_order(adapter_ready):
-            if (budget <= 0 or len(prefill) >= c.max_prefill_seqs
-                    or self.rows_reserved() + 1 + len(seq.forks) > c.max_num_seqs):
-                break
-            if not self._admit(seq):
-                break
+        continuing = [s for s in self.running if s.status == PREFILL]
+        candidates = [(s, False) for s in continuing] + [(s, True) for s in self._admission_order(adapter_ready)]
+        share = collections.Counter(s.req.group for s in self.running)   # rows each client request holds
+        admitting, blocked = True, False
+        while candidates and budget > 0 and len(prefill) < c.max_prefill_seqs:
+            i = fair_pick(candidates, share)
+            seq, new = candidates.pop(i)
+            if new:
+                if not admitting or self.rows_reserved() + 1 + len(seq.forks) > c.max_num_seqs:
+                    admitting = False             # FCFS between the requests that wait: none jumps this one
+                    continue
+                if not self._admit(seq):
+                    admitting = False
+                    continue
+            elif blocked:
+                continue
             chunk = self._chunk(seq, budget)
             if chunk is None:                     # no block for even one token: undo, try later
-                self._unadmit(seq)
-                break
+                if new:
+                    self._unadmit(seq)
+                    admitting = False
+                else:
+                    blocked = True
+                continue
             prefill.append(chunk)
             budget -= chunk.length
+            share[seq.req.group] += 1 + (1 if new else 0) * len(seq.forks)
         return StepPlan(decode, prefill, preempted, self._copies)
 
     def _private_block(self, seq: Sequence, preempted: list) -> bool:

@@ -29,6 +29,8 @@ class RequestLimits:
     kv_tokens: int                       # tokens the KV pool holds
     fits_ever: Callable[[int], bool]     # whether a sequence of that many tokens can ever be held (scheduler)
     has_tokenizer: bool                  # stop strings need one
+    max_request_sequences: int = 64      # one client request's prompts x n (`check_request_group`)
+    max_request_prompt_logprob_tokens: int = 8192   # one client request's prompt tokens with log-probs
 
 
 def prompt_ids(ids, vocab_size: int) -> list[int]:
@@ -82,3 +84,20 @@ def check_request(limits: RequestLimits, ids, sampling: SamplingParams, stop=(),
     if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
         raise RequestError(f"timeout must be a positive number of seconds, got {timeout}", "timeout")
     return ids, stop
+
+
+def check_request_group(limits: RequestLimits, prompt_lengths: Sequence[int], n: int,
+                        prompt_logprobs: bool) -> None:
+    """Bounds the work one client request brings (its prompts x n sequences, and the prompt tokens
+    it wants log-probabilities of): beyond the engine's limits it is a 400 naming the limit and the
+    server flag, before anything is queued."""
+    seqs = len(prompt_lengths) * n
+    if seqs > limits.max_request_sequences:
+        raise RequestError(f"this request starts {seqs} sequences ({len(prompt_lengths)} prompt(s) x n={n}); the "
+                           f"server's limit is {limits.max_request_sequences} per request "
+                           f"(--max-request-sequences)", "n")
+    tokens = sum(prompt_lengths)
+    if prompt_logprobs and tokens > limits.max_request_prompt_logprob_tokens:
+        raise RequestError(f"echo with logprobs asks for the log-probabilities of {tokens} prompt tokens; the "
+                           f"server's limit is {limits.max_request_prompt_logprob_tokens} per request "
+                           f"(--max-request-prompt-logprob-tokens)", "logprobs")

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from preft_jax.sampling import SamplingParams
-from serve import protocol
+from serve import protocol, validation
 from serve.access import ServerConfig, check_api_key
 from serve.api.formatting import SSE_DONE, sse
 from serve.bridge import AsyncSink, ClientGone, TaggedSink, collect_many
@@ -121,6 +121,8 @@ class ApiContext:
         """Every prompt x n completions, all or nothing: (requests in choice order, their shared sink).
         Choice k is prompt k // n, sample k % n (OpenAI's order)."""
         engine = self.engine
+        validation.check_request_group(engine.limits, [len(p) for p in prompts], n,
+                                       any(sp.prompt_logprobs is not None for sp in sps))
         if adapter is not None:        # load it (disk -> host) before anything starts: errors are 4xx
             await asyncio.wait_for(asyncio.wrap_future(engine.registry.prepare(adapter)),
                                    engine.config.request_timeout)
@@ -131,7 +133,7 @@ class ApiContext:
             for i, (ids, sp) in enumerate(zip(prompts, sps)):
                 sinks = [TaggedSink(sink, len(reqs) + j) for j in range(n)]
                 reqs += engine.submit_n(ids, adapter, sp, n, stop, events=sinks,
-                                        request_id=rid if len(prompts) == 1 else f"{rid}-p{i}")
+                                        request_id=rid if len(prompts) == 1 else f"{rid}-p{i}", group=rid)
         except BaseException:
             for r in reqs:
                 engine.cancel(r)
