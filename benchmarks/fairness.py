@@ -79,9 +79,13 @@ def main(argv=None) -> int:
     engine = build_engine(runner, args)
     log(header(runner, f"big request {args.prompts} x {args.prompt_len} ids; step budget "
                        f"{args.max_num_batched_tokens} tokens"))
-    one = random_prompts(1, args.prompt_len, vocab, 1)[0]
+    fresh = iter(range(10 ** 6))          # a new prompt per run: the prefix cache would serve a repeat
+
+    def one():
+        return random_prompts(1, args.prompt_len, vocab, 1000 + next(fresh))[0]
+
     bigs = random_prompts(args.prompts, args.prompt_len, vocab, 2)
-    shorts = random_prompts(args.prompts, 16, vocab, 3)
+    shorts = random_prompts(args.prompts, 16, vocab, 3)     # shorter than a full block: never prefix-cached
     echo = SamplingParams(max_new_tokens=1, stop_token_ids=NO_STOP, prompt_logprobs=20)
     plain = SamplingParams(max_new_tokens=1, stop_token_ids=NO_STOP)
     many = SamplingParams(max_new_tokens=32, stop_token_ids=NO_STOP, temperature=0.7)
@@ -94,8 +98,8 @@ def main(argv=None) -> int:
         return case
 
     cases = {
-        "1 prompt, no logprobs": timed(lambda: run_until(engine, [engine.submit(one, None, plain)]) and None),
-        "1 prompt, echo+logprobs 20": timed(lambda: run_until(engine, [engine.submit(one, None, echo)]) and None),
+        "1 prompt, no logprobs": timed(lambda: run_until(engine, [engine.submit(one(), None, plain)]) and None),
+        "1 prompt, echo+logprobs 20": timed(lambda: run_until(engine, [engine.submit(one(), None, echo)]) and None),
         "small alone": timed(lambda: run_until(engine, [small_request(engine, vocab)]) and None),
         "big echo + small": timed(lambda: big_with_small(engine, bigs, echo, 1, vocab)),
         "many seqs (n=2) + small": timed(lambda: big_with_small(engine, shorts, many, 2, vocab)),
