@@ -84,6 +84,13 @@ def unsupported_reason(cfg: ModelConfig, dtype, mesh=None, quantization: str | N
     return cpu.unavailable_reason()
 
 
+def logged_by_library(why: str) -> bool:
+    """True when `why` (from `unsupported_reason`) is the native library's own failure, which
+    pallas_kernels.cpu has already logged in its one line (callers then add none); nothing is built."""
+    status = cpu.library_status()
+    return status["state"] == "unavailable" and why == status["reason"]
+
+
 def pack(model) -> NativeWeights:
     """Packs `model`'s (a preft_jax Llama) layer weights and LM head once."""
     cfg = model.cfg

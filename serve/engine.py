@@ -114,7 +114,7 @@ class Engine:
         self._lifecycle = threading.Lock()       # start / shutdown (a signal handler vs a lifespan hook)
         self._warm_pending: deque = deque()      # background warm-up: (label, run, failures) (serve/warmup.py)
         self._warm_running = 0                   # a task being run now (still pending for /health)
-        self._warm_failed = 0                    # tasks skipped after failing twice
+        self._warm_skipped: list[str] = []       # tasks skipped after failing twice: "label (why)"
         self._warm_started: float | None = None
         self._token_hooks: list[Callable[[Request, int], None]] = []
         self._stop = threading.Event()
@@ -295,7 +295,9 @@ class Engine:
                 "queue_saturation": round(self.queued / max(1, self.config.max_queued), 3),
                 "kv_blocks": self.pool.capacity, "kv_blocks_used": self.pool.capacity - self.pool.num_available,
                 "kv_usage": round(self.pool.usage(), 3),
-                "warmup_pending": len(self._warm_pending) + self._warm_running, "warmup_failed": self._warm_failed}
+                "warmup_pending": len(self._warm_pending) + self._warm_running, "warmup_failed": len(self._warm_skipped),
+                "warmup_skipped": list(self._warm_skipped),
+                "cpu_decode": "xla" if self.step_runner.native is None else "native"}
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> None:
@@ -573,15 +575,22 @@ class Engine:
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compiles every prefill and decode shape before serving, so no request stalls the running
-        streams on a compile. Returns the seconds it took."""
+        streams on a compile. A task that fails is retried once after the others, then skipped (one log
+        line each time, as the background warm-up). Returns the seconds it took."""
         if self.busy:
             raise RuntimeError("warmup() runs before any request is submitted")
         t0 = time.monotonic()
         tasks = self.warmup_tasks()
+        retry = []
         for i, (label, run) in enumerate(tasks):
             if progress:
                 progress(f"compiling {i + 1}/{len(tasks)}: {label}")
-            run()
+            if not self._run_warm_task(label, run, 0, "warm-up"):
+                retry.append((label, run))
+        for label, run in retry:
+            if progress:
+                progress(f"compiling again: {label}")
+            self._run_warm_task(label, run, 1, "warm-up")
         return time.monotonic() - t0
 
     def warm_in_background(self) -> int:
@@ -594,6 +603,25 @@ class Engine:
         self._wake.set()
         return len(tasks)
 
+    def _run_warm_task(self, label: str, run: Callable[[], object], failures: int, kind: str) -> bool:
+        """Runs one warm-up task; True when it compiled. A first failure logs one WARNING line (the
+        caller retries it once after the others), a second one ERROR line and records the shape as
+        skipped (/health warmup_skipped; it compiles on first use)."""
+        try:
+            run()
+            return True
+        except Exception as e:  # noqa: BLE001 - requests then compile that shape on demand
+            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            log.debug("warm-up task %r failed", label, exc_info=True)
+            self._recover_cache()
+            if failures == 0:
+                log.warning("%s of %r failed (%s); retrying it once", kind, label, why)
+            else:
+                log.error("%s of %r failed again (%s); skipped, it compiles on first use", kind, label, why)
+                with self._lock:
+                    self._warm_skipped.append(f"{label} ({why})")
+            return False
+
     def _warm_one(self) -> None:
         """Runs the next background warm-up task (engine thread, idle only). A task that fails is
         retried once after the others, then skipped (its shape compiles on first use); the rest go on."""
@@ -603,24 +631,15 @@ class Engine:
             label, run, failures = self._warm_pending.popleft()
             self._warm_running = 1
         try:
-            run()
-        except Exception as e:  # noqa: BLE001 - requests then compile that shape on demand
-            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-            log.debug("background warm-up task %r failed", label, exc_info=True)
-            self._recover_cache()
-            with self._lock:
-                if failures == 0:
-                    log.warning("background warm-up of %r failed (%s); retrying it once", label, why)
+            if not self._run_warm_task(label, run, failures, "background warm-up") and failures == 0:
+                with self._lock:
                     self._warm_pending.append((label, run, 1))
-                else:
-                    log.error("background warm-up of %r failed again (%s); skipped, it compiles on first use",
-                              label, why)
-                    self._warm_failed += 1
         finally:
             self._warm_running = 0
         if not self._warm_pending and self._warm_started is not None:
+            skipped = len(self._warm_skipped)
             log.info("background warm-up done in %.1f s%s", time.monotonic() - self._warm_started,
-                     f" ({self._warm_failed} shape(s) skipped)" if self._warm_failed else "")
+                     f" ({skipped} shape(s) skipped)" if skipped else "")
             self._warm_started = None
 
     # ---- background loop -------------------------------------------------------------------

@@ -341,7 +341,8 @@ class StepRunner:
         if why:
             if choice == "native":
                 raise ValueError(f"cpu_decode='native' is unavailable: {why}")
-            log.info("decode on the XLA path: %s", why)
+            if not native_decode.logged_by_library(why):       # a failed build has its own WARNING line
+                log.info("decode on the XLA path: %s", why)
             return None
         return native_decode.pack(nnx.merge(self.model.graphdef, self.model.state))
 

@@ -161,6 +161,7 @@ def test_a_failing_warmup_task_is_retried_once_then_skipped(runner, caplog):
             _wait_warm(eng)
             h = eng.health()
             assert h["warmup_failed"] == 1 and h["loop_running"]
+            assert h["warmup_skipped"] == [f"{broken} (RuntimeError: injected failure)"]
             failures.clear()
             r = eng.submit([9, 8, 7], None, SamplingParams(max_new_tokens=3, stop_token_ids=NO_STOP))
             assert r.wait(timeout=600).tokens == _alone(runner, [9, 8, 7], None, 3)
@@ -171,3 +172,44 @@ def test_a_failing_warmup_task_is_retried_once_then_skipped(runner, caplog):
                      f"background warm-up of {broken!r} failed (RuntimeError: injected failure); retrying it once",
                      f"background warm-up of {broken!r} failed again (RuntimeError: injected failure); skipped, "
                      f"it compiles on first use"]
+
+
+def _failing_hook(failures):
+    """A call hook failing decode calls by block-table width, failures[width] times each."""
+    def hook(call, run):
+        if call.chunk == 1 and failures.get(call.width, 0) > 0:
+            failures[call.width] -= 1
+            raise RuntimeError(f"injected failure\nsecond line, width {call.width}")
+        return run(call)
+    return hook
+
+
+def test_a_failing_full_warmup_task_is_retried_once_then_skipped(runner, caplog):
+    """`warmup()` (--warmup full) follows the background policy: no exception stops the server start;
+    a shape failing once is retried (compiled), one failing every time is skipped with one ERROR line,
+    the other tasks all compile, and health() lists the skipped one."""
+    eng = _small_engine(runner)
+    flaky, broken = "decode (context 1 blocks)", "decode (context 2 blocks)"
+    tasks = [label for label, _ in eng.warmup_tasks()]
+    failures = {1: 1, 2: 10 ** 6}
+    eng.step_runner.add_call_hook(_failing_hook(failures))
+    progress = []
+    with caplog.at_level("INFO", logger="serve.engine"):
+        eng.warmup(progress=progress.append)
+    assert progress == ([f"compiling {i + 1}/{len(tasks)}: {label}" for i, label in enumerate(tasks)]
+                        + [f"compiling again: {flaky}", f"compiling again: {broken}"])
+    lines = [(rec.levelname, rec.getMessage()) for rec in caplog.records if rec.name == "serve.engine"]
+    assert lines == [("WARNING", f"warm-up of {flaky!r} failed (RuntimeError: injected failure); retrying it once"),
+                     ("WARNING", f"warm-up of {broken!r} failed (RuntimeError: injected failure); retrying it once"),
+                     ("ERROR", f"warm-up of {broken!r} failed again (RuntimeError: injected failure); skipped, "
+                               f"it compiles on first use")]
+    h = eng.health()
+    assert h["warmup_failed"] == 1 and h["warmup_pending"] == 0
+    assert h["warmup_skipped"] == [f"{broken} (RuntimeError: injected failure)"]
+    failures.clear()
+    eng.start()
+    try:
+        r = eng.submit([9, 8, 7, 6, 5, 4, 3, 2, 1], None, SamplingParams(max_new_tokens=6, stop_token_ids=NO_STOP))
+        assert r.wait(timeout=600).tokens == _alone(runner, [9, 8, 7, 6, 5, 4, 3, 2, 1], None, 6)
+    finally:
+        eng.shutdown()

@@ -1,4 +1,9 @@
-"""GET /health (liveness for probes) and GET /metrics (Prometheus, the app's own registry)."""
+"""GET /health (liveness for probes) and GET /metrics (Prometheus, the app's own registry).
+
+/health's `degraded` lists one line per degraded mode this server runs in (a cache that cannot be
+written, no native CPU library, a warm-up shape skipped after failing twice), each also logged once;
+empty when everything runs as configured. Degraded modes do not make /health fail: it answers 503
+only when the engine loop is dead or wedged ("unhealthy") or the server is shutting down."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -17,6 +22,8 @@ async def health(request: Request):
     h.update(model=ctx.model_id, adapters=len(ctx.registry.names()), adapters_draining=len(ctx.registry.draining()),
              adapter_slots=ctx.registry.capacity,
              runtime=runtime_status())       # caches and native library; "degraded": one line per mode
+    # every degraded mode in one list, each as its log line says it: caches, native library, skipped warm-up
+    h["degraded"] = h["runtime"]["degraded"] + [f"warm-up skipped {s}" for s in h["warmup_skipped"]]
     if h["wedged"] or not h["loop_running"]:
         return JSONResponse(dict(h, status="unhealthy"), status_code=503)
     if not h["accepting"]:
