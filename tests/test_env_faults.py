@@ -310,6 +310,8 @@ def test_server_reports_degraded_modes_once_and_in_health(tmp_path):
     cache = home / ".cache" / "preft_jax"
     assert runtime["compilation_cache"]["state"] == "unavailable"
     assert runtime["native_library"]["state"] == "unavailable"
+    assert health.json()["cpu_decode"] == "xla" and health.json()["degraded"] == runtime["degraded"]
+    assert len(_lines(text, "native CPU library")) == 1, text           # no second line from the engine
     assert runtime["degraded"] == [
         f"cache {cache} cannot be created: Not a directory: {cache / 'jax'}",
         "native CPU library unavailable: cannot build the native CPU library: compiling decode.cc failed: "
