@@ -295,8 +295,8 @@ class Engine:
                 "queue_saturation": round(self.queued / max(1, self.config.max_queued), 3),
                 "kv_blocks": self.pool.capacity, "kv_blocks_used": self.pool.capacity - self.pool.num_available,
                 "kv_usage": round(self.pool.usage(), 3),
-                "warmup_pending": len(self._warm_pending) + self._warm_running, "warmup_failed": len(self._warm_skipped),
-                "warmup_skipped": list(self._warm_skipped),
+                "warmup_pending": len(self._warm_pending) + self._warm_running,
+                "warmup_failed": len(self._warm_skipped), "warmup_skipped": list(self._warm_skipped),
                 "cpu_decode": "xla" if self.step_runner.native is None else "native"}
 
     # ---- the step --------------------------------------------------------------------------

@@ -323,6 +323,80 @@ def test_server_reports_degraded_modes_once_and_in_health(tmp_path):
     assert openapi["info"]["version"] == preft_jax.__version__
 
 
+# The real CLI server with two tasks added to serve.warmup's list: one fails once (then passes), one
+# fails every time. Nothing else is changed; the log format and /health are the server's.
+_FAILING_WARMUP = """
+import sys
+import serve.engine
+real = serve.engine.warmup_tasks
+def tasks(runner):
+    left = [1]
+    def flaky():
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError("injected flaky failure\\nsecond line")
+    def broken():
+        raise RuntimeError("injected failure\\nsecond line")
+    return [("injected flaky task", flaky)] + real(runner) + [("injected task", broken)]
+serve.engine.warmup_tasks = tasks
+from serve.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("warmup", ["background", "full"])
+def test_server_warmup_failure_is_retried_logged_once_and_in_health(tmp_path, warmup):
+    """A warm-up task failing once is retried (one WARNING line), one failing twice is skipped (one
+    WARNING, then one ERROR line); the server serves (a full warm-up no longer stops its start) and
+    /health stays 200 with the skipped shape in warmup_skipped and in degraded."""
+    import httpx
+
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", _FAILING_WARMUP, "server", "--model", "tiny", "--port", str(port),
+                             "--warmup", warmup, "--max-model-len", "32", "--max-num-seqs", "2",
+                             "--max-prefill-seqs", "1", "--max-num-batched-tokens", "16", "--block-size", "16"],
+                            cwd=ROOT, env=_env(PREFT_JAX_CACHE_DIR=tmp_path / "cache"), stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (log.seek(0), log.read())[1]
+            try:
+                health = httpx.get(f"{url}/health", timeout=5).json()
+                if health["warmup_pending"] == 0:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start or warm up"
+            time.sleep(0.5)
+        r = httpx.get(f"{url}/health", timeout=5)
+        completion = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                                timeout=120)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    log.seek(0)
+    text = log.read()
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert completion.status_code == 200, completion.text
+    health = r.json()
+    assert health["warmup_failed"] == 1
+    assert health["warmup_skipped"] == ["injected task (RuntimeError: injected failure)"]
+    assert health["degraded"] == health["runtime"]["degraded"] + [
+        "warm-up skipped injected task (RuntimeError: injected failure)"]
+    kind = "background warm-up" if warmup == "background" else "warm-up"
+    lines = [ln.split(" ", 2)[2] for ln in text.splitlines() if "warm-up of" in ln]
+    assert [ln for ln in lines if "injected" in ln] == [
+        f"WARNING serve.engine {kind} of 'injected flaky task' failed (RuntimeError: injected flaky failure); "
+        f"retrying it once",
+        f"WARNING serve.engine {kind} of 'injected task' failed (RuntimeError: injected failure); retrying it once",
+        f"ERROR serve.engine {kind} of 'injected task' failed again (RuntimeError: injected failure); skipped, it "
+        f"compiles on first use"]
+    assert len(lines) == 3 and "Traceback" not in text and "second line" not in text, text
+
+
 def test_backend_probe_line_is_dropped():
     code = ("import logging; logging.basicConfig(level=logging.INFO); import sys\n"
             "if sys.argv[1] == 'quiet':\n"
