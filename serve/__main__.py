@@ -99,7 +99,7 @@ def _load_adapter_weights(cfg, folders: dict[str, str]) -> dict:
 
 def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank, reft_rank, mode, backend,
                   dtype="float32", adapter_dir=None, host_cache_bytes=1 << 30, mesh=None, quantize=None,
-                  model_path=None, **engine_kw):
+                  model_path=None, max_invocation_tokens=16, **engine_kw):
     """ModelRunner + AdapterRegistry (tiers) + Engine; engine_kw are EngineConfig fields. quantize:
     "int8" | "int4" base weights (GGUF Q8_0 / Q4_0 tensors of `model_path` read as they are)."""
     from preft_jax.generation import ModelRunner
@@ -117,7 +117,8 @@ def _build_engine(cfg, params, tokenizer, weights: dict, *, capacity, lora_rank,
                       else quantize_model_params(cfg, params, quantize, dtype, path=model_path))
         runner = ModelRunner(Llama.from_params(cfg, params, dtype=dtype, adapter_backend=backend), mesh=mesh)
         registry = AdapterRegistry(cfg, capacity, lora_rank=lora_rank, reft_rank=reft_rank, dtype=runner.dtype,
-                                   adapter_dir=adapter_dir, host_cache_bytes=host_cache_bytes)
+                                   adapter_dir=adapter_dir, host_cache_bytes=host_cache_bytes,
+                                   max_invocation_tokens=max_invocation_tokens)
     except ValueError as e:
         raise CliError(str(e)) from None
     from serve.errors import AdapterLoadError, RequestError
@@ -165,10 +166,16 @@ def cmd_generate(args) -> int:
                            reft_rank=reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype, mesh=mesh,
                            quantize=args.quantize, model_path=args.model,
                            max_num_seqs=1, max_prefill_seqs=1, max_model_len=max_len,
-                           max_num_batched_tokens=max(2, min(512, max_len)), cpu_decode=args.cpu_decode)
+                           max_num_batched_tokens=max(2, min(512, max_len)), cpu_decode=args.cpu_decode,
+                           max_invocation_tokens=max([16] + [len(w.config.policy.invocation_tokens or ())
+                                                             for w in weights.values()]))
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
                         stop_token_ids=tuple(tok.eos_token_ids))
-    result = engine.generate([(prompt_ids, args.use, sp)])[0]
+    from serve.errors import InvocationMissingError
+    try:
+        result = engine.generate([(prompt_ids, args.use, sp)])[0]
+    except InvocationMissingError as e:     # the chat-templated prompt lacks an aLoRA adapter's invocation
+        raise CliError(str(e)) from None
     print(result.text)
     return 0
 
@@ -202,6 +209,7 @@ def cmd_server(args) -> int:
                            reft_rank=args.reft_rank, mode=args.mode, backend=args.backend, dtype=args.dtype,
                            adapter_dir=args.adapter_dir, host_cache_bytes=args.host_cache_bytes, mesh=mesh,
                            quantize=args.quantize, model_path=args.model,
+                           max_invocation_tokens=args.max_invocation_tokens,
                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                            max_prefill_seqs=args.max_prefill_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
@@ -303,6 +311,8 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
                    help="host memory for loaded adapters (LRU beyond it)")
     s.add_argument("--lora-rank", type=int, default=16, help="largest LoRA rank the bank holds")
     s.add_argument("--reft-rank", type=int, default=8, help="largest ReFT rank the bank holds")
+    s.add_argument("--max-invocation-tokens", type=int, default=16,
+                   help="longest invocation sequence of an activated (aLoRA) adapter the bank holds")
     s.add_argument("--model-id", default=None, help="the base model's name in the API (default: from --model)")
     s.add_argument("--log-level", default="info", type=str.lower, choices=("critical", "error", "warning", "info", "debug"),
                    help="server and engine log level")

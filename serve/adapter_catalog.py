@@ -382,18 +382,27 @@ class AdapterCatalog:
                         "lora" if isinstance(src.weights, LoraWeights) else "reft")
             return out
 
+    def policies(self) -> dict[str, PositionPolicy | None]:
+        """The serving position policy of every adapter `names()` lists (None: a folder adapter not
+        in the host tier now; its policy is known once it loads)."""
+        with self.lock:
+            out = {n: e.policy for n, e in self._host.items()}
+            for n, src in self._sources.items():
+                if n not in out:
+                    out[n] = None if src.weights is None else with_serving_policy(src.weights, self.mode).config.policy
+            return out
+
     # ---- host tier ---------------------------------------------------------------------------
     def _entry(self, name, weights, path, signature) -> HostEntry:
         check_weights(weights, self.cfg)
         if self.slot_update is None:
             raise ValueError("this engine was started without adapter slots")
         weights = with_serving_policy(weights, self.mode)
-        if weights.config.policy.mode == "activated":       # issue 26 phase 2: the engine passes no starts yet
-            raise ValueError("activated (aLoRA) adapters are not served yet (library generation supports them)")
         try:
             update = self.slot_update(weights)           # raises ValueError when it does not fit the bank
         except ValueError as e:
-            raise _FitError(f"{e} (the server's --lora-rank / --reft-rank size the adapter bank)") from None
+            raise _FitError(f"{e} (the server's --lora-rank / --reft-rank / --max-invocation-tokens size the "
+                            f"adapter bank)") from None
         kind = "lora" if isinstance(weights, LoraWeights) else "reft"
         return HostEntry(name, weights, kind, weights_digest(weights), _nbytes(weights), signature, path,
                          update=update, policy=weights.config.policy)

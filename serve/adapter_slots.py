@@ -54,10 +54,13 @@ class AdapterSlots:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, capacity: int, lora_targets: Sequence[str], lora_rank: int, reft_rank: int,
-              dtype, stats: TierStats | None = None) -> "AdapterSlots":
+              dtype, stats: TierStats | None = None, max_invocation_tokens: int = 0) -> "AdapterSlots":
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
-        bank = empty_bank(cfg, capacity + 1, tuple(lora_targets), lora_rank, reft_rank, dtype) if capacity else None
+        if max_invocation_tokens < 0:
+            raise ValueError(f"max_invocation_tokens must be >= 0, got {max_invocation_tokens}")
+        bank = empty_bank(cfg, capacity + 1, tuple(lora_targets), lora_rank, reft_rank, dtype,
+                          max_invocation_tokens) if capacity else None
         return cls(bank, stats)
 
     def update_for(self, weights: LoraWeights | ReftWeights) -> dict:

@@ -69,7 +69,7 @@ from serve.registry import AdapterRegistry
 from serve.request import GenerationRequest, Request, Result, new_request_id
 from serve.scheduler import DECODE, Chunk, Scheduler, SchedulerConfig, Sequence
 from serve.step_runner import DecodeStep, StepRunner, prompt_entry, to_host, token_entry
-from serve.validation import RequestLimits, check_request
+from serve.validation import RequestLimits, activation_start, check_request
 from serve.warmup import warmup_tasks
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Request", "Result"]
@@ -161,12 +161,11 @@ class Engine:
         try:
             for _ in range(n):
                 refs.append(self.registry.acquire(adapter))    # raises UnknownAdapterError
+            self._check_invocation(adapter, prompt_ids)   # also starts loading it now, off the engine thread
         except RequestError:
             for ref in refs:
                 self.registry.release(ref)
             raise
-        if refs[0] is not None:
-            self.registry.prepare(adapter)                # start loading it now, off the engine thread
         rid = request_id or new_request_id()
         deadline = None if timeout is None else time.monotonic() + timeout
         seqs = []
@@ -201,6 +200,16 @@ class Engine:
         self._wake.set()
         return [seq.req for seq in seqs]
 
+    def _check_invocation(self, adapter: str | None, prompt_ids: Seq[int]) -> None:
+        """An activated (aLoRA) adapter's prompt must contain its invocation sequence: refused here
+        (InvocationMissingError, 400) when the adapter is loaded already, else when it has loaded
+        (`_adapter_ready`). Starts loading the adapter (host tier) when it is not."""
+        if adapter is None:
+            return
+        fut = self.registry.prepare(adapter)
+        if fut.done() and fut.exception() is None:
+            activation_start(fut.result().policy, prompt_ids, adapter)
+
     def _check_capacity_locked(self):
         if not self._accepting:
             raise UnavailableError("the engine is shutting down; no new requests are accepted")
@@ -224,6 +233,7 @@ class Engine:
             check_request(limits, r.prompt_ids, r.sampling, r.stop)
             if r.adapter is not None and r.adapter not in self.registry:
                 self.registry.acquire(r.adapter)          # raises UnknownAdapterError
+            self._check_invocation(r.adapter, r.prompt_ids)
         handles = [self.submit(r.prompt_ids, r.adapter, r.sampling, r.stop) for r in reqs]
         outputs = [h.output() for h in handles]
         while any(not h.finished for h in handles):
@@ -343,11 +353,16 @@ class Engine:
                     f"request {req.request_id} exceeded its deadline; {len(req.tokens)} tokens were generated"))
 
     def _adapter_ready(self, seq: Sequence) -> bool:
+        """Whether the sequence's adapter version is resolved (loaded); then, once, where an activated
+        (aLoRA) adapter starts acting on its prompt (a prompt without the invocation fails here)."""
         ref = seq.ref
         if ref is None:
             return True
         try:
-            return self.registry.resolve(ref) is not None
+            entry = self.registry.resolve(ref)
+            if entry is not None and seq.adapter_start is None:
+                seq.adapter_start = activation_start(entry.policy, seq.tokens[:seq.plen], ref.name)
+            return entry is not None
         except RequestError as e:                       # the adapter cannot be loaded: this request fails
             self._load_failures.append((seq, e))
             return False

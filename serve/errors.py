@@ -33,6 +33,11 @@ class PromptTooLongError(RequestError):
     code = "context_length_exceeded"
 
 
+class InvocationMissingError(RequestError):
+    """The prompt of a request for an activated (aLoRA) adapter lacks the adapter's invocation sequence."""
+    code = "invocation_missing"
+
+
 class AdapterInUseError(RequestError):
     """Unloading an adapter that running or queued requests still use (without draining), or loading
     a name whose previous registration is still draining."""

@@ -18,7 +18,9 @@ request uses, which the prefix cache keys adapted KV blocks on.
 
 The registry's `mode` decides which tokens every adapter acts on, whatever policy the adapter was
 saved with: "prefill" (prompt tokens only; a saved first_k / last_k prompt window is kept) or "all"
-(`preft_jax.adapters.policy.serving_policy`; an activated adapter keeps its own policy).
+(`preft_jax.adapters.policy.serving_policy`); an activated (aLoRA) adapter keeps its own policy in
+both modes. Its invocation sequence is stored in its adapter slot: `max_invocation_tokens` (default
+16) is the longest one the bank holds; a longer one fails to load with an error saying so.
 """
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ __all__ = ["AdapterRegistry", "AdapterRef", "HostEntry", "NoDeviceSlot", "TierSt
            "check_adapter_name", "check_weights", "folder_signature", "weights_digest", "with_policy"]
 
 
+DEFAULT_MAX_INVOCATION_TOKENS = 16      # the longest aLoRA invocation sequence an adapter slot holds
+
+
 def with_policy(weights: LoraWeights | ReftWeights, mode: str) -> LoraWeights | ReftWeights:
     """`weights` with the position policy a registry of `mode` serves it with (`policy.serving_policy`)."""
     return with_serving_policy(weights, mode)
@@ -49,11 +54,12 @@ class AdapterRegistry:
     def __init__(self, cfg: ModelConfig, capacity: int, lora_targets: Sequence[str] = LORA_TARGETS,
                  lora_rank: int = 16, reft_rank: int = 8, mode: str = "prefill", dtype=None,
                  adapter_dir: str | os.PathLike | None = None, host_cache_bytes: int = 1 << 30,
-                 loader_threads: int = 2, max_registered: int | None = None, *, _slots: AdapterSlots | None = None):
+                 loader_threads: int = 2, max_registered: int | None = None,
+                 max_invocation_tokens: int = DEFAULT_MAX_INVOCATION_TOKENS, *, _slots: AdapterSlots | None = None):
         check_mode(mode)
         self.cfg, self.stats, self._static_names = cfg, TierStats(), []
         self.slots = _slots or AdapterSlots.empty(cfg, capacity, lora_targets, lora_rank, reft_rank,
-                                                  dtype or jnp.float32)
+                                                  dtype or jnp.float32, max_invocation_tokens=max_invocation_tokens)
         self.slots.stats = self.stats
         self.catalog = AdapterCatalog(cfg, None if self.slots.bank is None else self.slots.update_for, mode, adapter_dir,
                                       host_cache_bytes, loader_threads, max_registered, self.stats)
@@ -76,8 +82,6 @@ class AdapterRegistry:
         kind = "lora" if bank.lora_A else "reft"
         for slot, name in enumerate(self._static_names, start=1):
             policy = bank.policy.slot_policy(slot)
-            if policy.mode == "activated":                  # issue 26 phase 2: the engine passes no starts yet
-                raise ValueError("activated (aLoRA) adapters are not served yet (library generation supports them)")
             entry = self.catalog.add_static(name, kind, slot, policy)
             self.slots.mark_static(slot, (name, entry.digest))
 
@@ -140,6 +144,10 @@ class AdapterRegistry:
     def names(self) -> dict[str, str]:
         """Registered adapters and adapters in the host tier: name -> "lora" | "reft"."""
         return self.catalog.names()
+
+    def policies(self) -> dict[str, PositionPolicy | None]:
+        """The position policy each adapter of `names()` is served with (None: not loaded now)."""
+        return self.catalog.policies()
 
     def prepare(self, name: str) -> concurrent.futures.Future:
         """A future of the current host entry of `name` (loading it in the background if needed)."""

@@ -21,8 +21,9 @@ blocks are registered. The last prompt token is always computed (its logits samp
 
 Device adapter slots: the scheduler is the one owner of pins. A sequence pins its adapter's device
 slot when it is admitted (`_admit`); in PreFT mode ("prefill") it unpins when its prompt is done
-(`prefill_done`: generated tokens run on the base weights), in mode "all" when it leaves the running
-set (`remove`, `preempt`). Forks of an all-token sequence pin their parent's slot (`fork`).
+(`prefill_done`: generated tokens run on the base weights); a sequence whose generated tokens use
+its adapter (mode "all", or an activated (aLoRA) adapter in either mode) unpins when it leaves the
+running set (`remove`, `preempt`). Forks of such a sequence pin their parent's slot (`fork`).
 
 Parallel samples (`n` > 1): the n sequences of one prompt are prefilled once, by the first of them;
 the other n - 1 wait in its `forks` (holding admission room for their rows) and join the running
@@ -59,6 +60,8 @@ class Sequence:
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     hashes: list[bytes] | None = None    # prefix hashes of full blocks (computed when admitted)
     first_adapted: int = 1 << 62
+    adapter_start: int | None = None     # activated (aLoRA) adapter: where it starts acting (set by the engine
+                                         # once the adapter version is resolved; 0 for other policies)
     preemptions: int = 0
     forks: list["Sequence"] = dataclasses.field(default_factory=list)   # n > 1: siblings waiting for its prefill
     prompt_logprobs: list | None = None  # per prompt position (entry 0 stays None), filled by prefill chunks
@@ -164,17 +167,22 @@ class Scheduler:
             seq.registered = i
         return src, dst
 
+    def _adapts_generated(self, seq: Sequence) -> bool:
+        """Whether the sequence's generated tokens use its adapter (all-token or activated policy):
+        then its device slot stays pinned while it decodes."""
+        return seq.ref is not None and self.registry.policy(seq.ref).adapts_generated
+
     def prefill_done(self, seq: Sequence) -> None:
         """The sequence's prompt is computed: it decodes next. PreFT: its adapter's device slot is
         free again (generated tokens run on the base weights)."""
         seq.status = DECODE
-        if self.config.mode == "prefill" and seq.ref is not None:
+        if seq.ref is not None and not self._adapts_generated(seq):
             self.registry.unpin(seq.ref)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (a sibling of `parent`, same prompt) joins the running set sharing the parent's
-        computed blocks and its adapter version; it decodes next (mode "all": on the parent's
-        pinned slot, pinned again for the child)."""
+        computed blocks and its adapter version; it decodes next (an all-token or activated adapter:
+        on the parent's pinned slot, pinned again for the child)."""
         if child.ref is not None:
             child.ref.entry = parent.ref.entry           # the same adapter version as the prefill
         self.pool.share(parent.blocks)
@@ -183,11 +191,12 @@ class Scheduler:
         child.registered = parent.registered
         child.hashes = parent.hashes
         child.first_adapted = parent.first_adapted
+        child.adapter_start = parent.adapter_start
         child.status = DECODE
         self._admissions += 1
         child.admitted_at = self._admissions
         self.running.append(child)
-        if self.config.mode == "all" and child.ref is not None:
+        if self._adapts_generated(child):
             self.registry.pin(child.ref)                  # the parent's slot: pinned, so a hit
 
     def rows_reserved(self) -> int:

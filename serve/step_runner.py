@@ -98,7 +98,7 @@ def _tokens_of(out):
 
 # Columns of a decode row in `DecodeRows.buffer` (int32; floats and key data stored as their bits),
 # then the row's block table.
-TOKEN, FROM_PREV, CONTEXT, CHUNK, WRITE, PROMPT, ADAPTER, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(12)
+TOKEN, FROM_PREV, CONTEXT, CHUNK, WRITE, PROMPT, ADAPTER, START, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(13)
 BLOCKS = KEY + 2
 
 
@@ -111,7 +111,8 @@ def _decode_step(graphdef, state, packed, prev_tokens, cache, bank, native, *, a
     batch = PagedBatch(packed[:, BLOCKS:], col(CONTEXT), col(CHUNK), packed[:, WRITE:WRITE + 1], attention)
     return paged_step(graphdef, state, tokens, batch, cache, bank, None if bank is None else col(ADAPTER),
                       col(PROMPT), bits(TEMPERATURE, jnp.float32), bits(TOP_P, jnp.float32), col(TOP_K),
-                      (bits(slice(KEY, KEY + 2), jnp.uint32), col(COUNTER)), None, native, logprobs=logprobs)
+                      (bits(slice(KEY, KEY + 2), jnp.uint32), col(COUNTER)), None, native,
+                      None if bank is None else col(START), logprobs=logprobs)
 
 
 _DECODE_STATIC = dict(static_argnums=0, static_argnames=("attention", "logprobs"), donate_argnames=("cache",))
@@ -136,6 +137,7 @@ class PrefillCall:
     prompt_lens: jax.Array               # int32 [R]
     sampling: tuple                      # per row: temperature, top_p, top_k, key data [R, 2], token index
     next_tokens: jax.Array | None = None  # int32 [R, C]: the prompt token each position predicts
+    adapter_starts: jax.Array | None = None   # int32 [R]: activated (aLoRA) rows' activation starts
     logprobs: bool = False
     prompt_logprobs: bool = False
     return_logits: bool = True
@@ -153,7 +155,8 @@ class PrefillCall:
         return self.batch.block_tables.shape[1]
 
     def arrays(self) -> tuple:
-        return self.tokens, self.batch, self.adapter_ids, self.prompt_lens, self.sampling, self.next_tokens
+        return (self.tokens, self.batch, self.adapter_ids, self.prompt_lens, self.sampling, self.next_tokens,
+                self.adapter_starts)
 
 
 @dataclasses.dataclass
@@ -162,7 +165,8 @@ class DecodeCall:
     tokens of the decode call before (used by the rows marked FROM_PREV)."""
     packed: jax.Array                    # int32 [R, BLOCKS + width] (`DecodeRows` layout)
     prev_tokens: jax.Array               # int32 [R]
-    bank: object                         # mode "all": the adapter bank; else None (base weights)
+    bank: object                         # the adapter bank when a row's generated tokens use its adapter
+                                         # (all-token or activated); else None (base weights)
     native: object                       # NativeWeights: the call runs natively (base weights only)
     attention: str
     logprobs: bool = False
@@ -201,7 +205,8 @@ class DecodeRows:
         b = self.buffer                                                      # views into it, by column
         self.tokens, self.from_prev, self.context_lens = b[:, TOKEN], b[:, FROM_PREV], b[:, CONTEXT]
         self.chunk_lens, self.write_index, self.prompt_lens = b[:, CHUNK], b[:, WRITE], b[:, PROMPT]
-        self.adapter_ids, self.top_k, self.counters = b[:, ADAPTER], b[:, TOP_K], b[:, COUNTER]
+        self.adapter_ids, self.adapter_starts = b[:, ADAPTER], b[:, START]
+        self.top_k, self.counters = b[:, TOP_K], b[:, COUNTER]
         self.temperature, self.top_p = b[:, TEMPERATURE].view(np.float32), b[:, TOP_P].view(np.float32)
         self.key_data = b[:, KEY:KEY + 2].view(np.uint32)
         self.block_tables = b[:, BLOCKS:]
@@ -211,6 +216,7 @@ class DecodeRows:
         self._blocks = [0] * rows            # block-table entries written
         self._free = list(range(rows))       # a heap: the lowest free row first
         self.logprob_rows = 0                # rows that asked for log-probabilities
+        self.adapted_rows = 0                # rows whose generated tokens use their adapter (slot pinned)
 
     def update(self, seqs: list[Sequence], ahead: int) -> tuple[np.ndarray, int, bool]:
         """Makes the rows hold exactly `seqs` at their next position (+ `ahead` tokens dispatched but
@@ -251,7 +257,9 @@ class DecodeRows:
         self.row_of[s] = r
         self._admitted[r], self._blocks[r] = s.admitted_at, 0
         self.chunk_lens[r], self.prompt_lens[r] = 1, s.plen
-        self.adapter_ids[r] = 0 if s.ref is None else s.ref.slot
+        self.adapter_ids[r] = 0 if s.ref is None else s.ref.slot     # PreFT: unpinned by now, so 0
+        self.adapter_starts[r] = s.adapter_start or 0
+        self.adapted_rows += int(self.adapter_ids[r] != 0)
         sp = s.req.sampling
         self.temperature[r], self.top_p[r], self.top_k[r] = sp.temperature, sp.top_p, sp.top_k
         self.key_data[r] = s.req.key_data
@@ -262,6 +270,7 @@ class DecodeRows:
         """Frees the sequence's row (padding from now on)."""
         r = self.row_of.pop(s)
         self.logprob_rows -= s.req.sampling.logprobs is not None
+        self.adapted_rows -= int(self.adapter_ids[r] != 0)
         self.buffer[r] = 0
         self._blocks[r] = self._admitted[r] = 0
         self.write_index[r], self.prompt_lens[r], self.top_p[r] = self.drop, 1, 1.0
@@ -373,7 +382,7 @@ class StepRunner:
             return self._step_fn(
                 self.model.graphdef, self.model.state, call.tokens, call.batch, cache, call.bank,
                 None if call.bank is None else call.adapter_ids, call.prompt_lens, temp, top_p, top_k,
-                (key_data, counters), call.next_tokens, None,
+                (key_data, counters), call.next_tokens, None, None if call.bank is None else call.adapter_starts,
                 logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs, return_logits=call.return_logits)
 
     def sampling_rows(self, seqs, n: int):
@@ -405,7 +414,7 @@ class StepRunner:
         tokens = np.zeros((P, C), np.int32)
         ctx, clen, plen = np.zeros(P, np.int32), np.zeros(P, np.int32), np.ones(P, np.int32)
         widx = np.full((P, C), self.drop_index, np.int32)
-        ids = np.zeros(P, np.int32)
+        ids, starts = np.zeros(P, np.int32), np.zeros(P, np.int32)
         bt = np.full((P, nb), NULL_BLOCK, np.int32)
         next_tokens = np.zeros((P, C), np.int32) if prompt_logprobs else None   # the token each position predicts
         for r, ch in enumerate(chunks):
@@ -415,16 +424,18 @@ class StepRunner:
             pos = np.arange(ch.start, ch.start + ch.length)
             widx[r, :ch.length] = np.asarray(s.blocks, np.int32)[pos // bs] * bs + pos % bs
             ids[r] = 0 if s.ref is None else s.ref.slot
+            starts[r] = s.adapter_start or 0
             ctx_blocks = s.blocks[:-(-ch.start // bs)]
             bt[r, :len(ctx_blocks)] = ctx_blocks
             if next_tokens is not None:
                 nxt = s.tokens[ch.start + 1:ch.start + ch.length + 1]
                 next_tokens[r, :len(nxt)] = nxt
         samp = self.sampling_rows([ch.seq for ch in chunks], P)
-        tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens = jax.device_put(
-            (tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens))
+        tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens, starts = jax.device_put(
+            (tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens, starts))
         return PrefillCall(tokens, PagedBatch(bt, ctx, clen, widx, "gather"), self.registry.bank, ids, plen, samp,
-                           next_tokens=next_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                           next_tokens=next_tokens, adapter_starts=starts, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs)
 
     # ---- decode ----------------------------------------------------------------------------
     def dispatch_decode(self, seqs: list[Sequence], after: DecodeStep | None = None) -> DecodeStep:
@@ -440,8 +451,13 @@ class StepRunner:
     def _decode(self, rows: DecodeRows, nb: int, prev_tokens) -> DecodeCall:
         """The call over every decode row (block tables `nb` wide): one transfer of the rows' buffer,
         copied first (a transfer may read host memory after it returns: jax aliases numpy buffers on
-        CPU, and the buffer changes before the next call)."""
-        bank = self.registry.bank if self.config.mode == "all" else None
+        CPU, and the buffer changes before the next call).
+
+        The bank goes with the call only when some row's generated tokens use its adapter (mode
+        "all", or an activated (aLoRA) adapter): then every row runs the adapted program and the
+        position policy leaves PreFT and base rows on the base weights; otherwise the call is the
+        base-weights program (the native CPU step where it serves: a batch with such rows runs on XLA)."""
+        bank = self.registry.bank if rows.adapted_rows > 0 else None
         return DecodeCall(jax.device_put(rows.buffer[:, :BLOCKS + nb].copy()), prev_tokens, bank,
                           self.native if bank is None else None, self.decode_attention, rows.logprob_rows > 0)
 
@@ -471,11 +487,13 @@ class StepRunner:
         """Runs the prefill program of this shape on padding rows (every write dropped); returns its logits."""
         return jax.block_until_ready(self.run(self._prefill([], P, C, nb, logprobs, prompt_logprobs))["logits"])
 
-    def compile_decode(self, nb: int, logprobs: bool = False) -> None:
+    def compile_decode(self, nb: int, logprobs: bool = False, adapted: bool = False) -> None:
         """Runs the decode program with `nb`-wide block tables on padding rows (the same program
-        serves pipelined calls: their input tokens are an argument either way)."""
+        serves pipelined calls: their input tokens are an argument either way); `adapted`: the
+        program with the adapter bank (rows whose generated tokens use their adapter)."""
         pad = DecodeRows(self.config.max_num_seqs, nb, self.block_size, self.drop_index)
         pad.logprob_rows = int(logprobs)
+        pad.adapted_rows = int(adapted and self.registry.bank is not None)
         jax.block_until_ready(self.run(self._decode(pad, nb, self._no_prev)))
 
     def compile_forks(self, S: int, logits, logprobs: bool = False) -> None:

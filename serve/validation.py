@@ -8,7 +8,10 @@ Who owns which rule:
 * the OpenAI request body (JSON shapes and types, API-only limits such as temperature <= 2,
   prompts x n per request, stop-string counts): serve/protocol.py;
 * everything below: here. Each raises a `RequestError` (HTTP 400; `PromptTooLongError` for the
-  context) naming the field.
+  context) naming the field;
+* the prompt of an activated (aLoRA) adapter must contain its invocation sequence
+  (`activation_start`, checked at submit when the adapter is loaded, else when it has loaded; the
+  rule itself is `preft_jax.adapters.policy.activation_start`'s).
 """
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
+from preft_jax.adapters import policy as position_policy
 from preft_jax.sampling import SamplingParams, shown
-from serve.errors import PromptTooLongError, RequestError
+from serve.errors import InvocationMissingError, PromptTooLongError, RequestError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,3 +105,17 @@ def check_request_group(limits: RequestLimits, prompt_lengths: Sequence[int], n:
         raise RequestError(f"echo with logprobs asks for the log-probabilities of {tokens} prompt tokens; the "
                            f"server's limit is {limits.max_request_prompt_logprob_tokens} per request "
                            f"(--max-request-prompt-logprob-tokens)", "logprobs")
+
+
+def activation_start(policy: position_policy.PositionPolicy | None, prompt: Sequence[int], adapter: str) -> int:
+    """Where adapter `adapter` (served with `policy`; None: the base model) starts acting on `prompt`
+    when it is an activated (aLoRA) adapter: the start of the last occurrence of its invocation
+    sequence; 0 for any other policy (the device ignores it). Raises InvocationMissingError (400)
+    naming the adapter and the sequence when the prompt lacks it (HF PEFT would silently run such a
+    prompt on the base model)."""
+    if policy is None or policy.mode != "activated":
+        return 0
+    try:
+        return position_policy.activation_start(policy, prompt, repr(adapter))
+    except position_policy.MissingInvocationError as e:
+        raise InvocationMissingError(str(e), "prompt") from None

@@ -41,8 +41,8 @@ def warmup_tasks(runner: "StepRunner") -> list[Task]:
             logits[P] = runner.compile_prefill(P, C, nb, lp, plp)
         return run
 
-    def decode(nb, lp):
-        return lambda: runner.compile_decode(nb, lp)
+    def decode(nb, lp, adapted):
+        return lambda: runner.compile_decode(nb, lp, adapted)
 
     def fork(S, P, lp):
         return lambda: runner.compile_forks(S, logits[P] if P in logits else jnp.zeros((P, V), jnp.float32), lp)
@@ -50,8 +50,14 @@ def warmup_tasks(runner: "StepRunner") -> list[Task]:
     prefills = [(f"prefill {P} rows, chunk {C} tokens, context {nb} blocks" + (" (logprobs)" if lp else ""),
                  prefill(P, C, nb, lp, plp))
                 for P, C, nb in runner.prefill_buckets() for lp, plp in lp_variants]
-    decodes = [(f"decode (context {nb} blocks)" + (" (logprobs)" if lp else ""), decode(nb, lp))
-               for nb in runner.block_buckets for lp, _ in lp_variants[:2]]
+    # decode without the bank (base and PreFT rows) and, with adapter slots, with it (rows whose
+    # generated tokens use their adapter: mode "all", activated adapters); the engine's usual one first
+    variants = [False] + [True] * (runner.registry.bank is not None)
+    if c.mode == "all":
+        variants.reverse()
+    decodes = [(f"decode (context {nb} blocks)" + (" (logprobs)" if lp else "") + (" (adapted)" if adapted else ""),
+                decode(nb, lp, adapted))
+               for adapted in variants for nb in runner.block_buckets for lp, _ in lp_variants[:2]]
     # the smallest prefill and decode first (what a lone first request needs), then the rest in order
     tasks: list[Task] = [prefills[0], decodes[0], *prefills[1:], *decodes[1:]]
     for S in runner.fork_buckets:                  # n > 1: first tokens from one prefill's logits

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 
+from preft_jax.adapters import policy as position_policy
 from serve import logprobs as logprobs_fmt
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -31,9 +32,15 @@ def result_text(tokenizer, result) -> str:
     return result.text if result.text is not None else tokenizer.decode(result.tokens)
 
 
-def model_entry(name: str, kind: str, created: int, base_id: str) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "preft_jax", "kind": kind,
-            "root": base_id, "parent": None if kind == "base" else base_id}
+def model_entry(name: str, kind: str, created: int, base_id: str, policy=None) -> dict:
+    """One /v1/models entry; an adapter's carries the position policy it is served with
+    (`PositionPolicy.describe()` and its JSON form; null while a folder adapter is not loaded)."""
+    entry = {"id": name, "object": "model", "created": created, "owned_by": "preft_jax", "kind": kind,
+             "root": base_id, "parent": None if kind == "base" else base_id}
+    if kind != "base":
+        entry["policy"] = None if policy is None else policy.describe()
+        entry["position_policy"] = None if policy is None else position_policy.to_json(policy)
+    return entry
 
 
 class CompletionFormat:

@@ -1,4 +1,5 @@
-"""GET /v1/models, GET /v1/models/{name}; adapter admin: POST /v1/adapters, DELETE /v1/adapters/{name}.
+"""GET /v1/models, GET /v1/models/{name} (each adapter with its serving position policy); adapter
+admin: POST /v1/adapters, DELETE /v1/adapters/{name}.
 
 DELETE drains (as vLLM and SGLang unload): the name is gone at once (new requests for it get 404
 `model_not_found`, it leaves /v1/models), requests already holding it (running or queued) finish on
@@ -31,7 +32,9 @@ async def list_models(request: Request):
     ctx = api_context(request)
     check_api_key(ctx.config, request.headers)
     data = [model_entry(ctx.model_id, "base", ctx.created, ctx.model_id)]
-    data += [model_entry(n, k, ctx.created, ctx.model_id) for n, k in sorted(ctx.registry.names().items())]
+    policies = ctx.registry.policies()
+    data += [model_entry(n, k, ctx.created, ctx.model_id, policies.get(n))
+             for n, k in sorted(ctx.registry.names().items())]
     return {"object": "list", "data": data}
 
 
@@ -44,7 +47,7 @@ async def get_model(name: str, request: Request):
     kinds = ctx.registry.names()
     if name not in kinds:
         raise unknown_model(name, None)
-    return model_entry(name, kinds[name], ctx.created, ctx.model_id)
+    return model_entry(name, kinds[name], ctx.created, ctx.model_id, ctx.registry.policies().get(name))
 
 
 @router.post("/v1/adapters")
