@@ -17,7 +17,7 @@ from reference_llama import random_params, reference_logits
 from serve.engine import Engine, EngineConfig
 from serve.errors import AdapterLoadError, InvocationMissingError
 from serve.registry import AdapterRegistry
-from serve.step_runner import DecodeCall
+from serve.step_runner import ADAPTER, CHUNK, DecodeCall
 
 CFG = tiny_config()
 PARAMS = random_params(CFG, seed=0)
@@ -92,7 +92,8 @@ def test_activated_mixed_with_preft_and_base_in_one_batch(runner, mode):
 
     def hook(call, run):
         if isinstance(call, DecodeCall):
-            (banked if call.bank is not None else plain).append(call)
+            live = np.asarray(call.packed)[:, CHUNK] > 0
+            (banked if call.bank is not None else plain).append(np.asarray(call.packed)[live, ADAPTER])
         return run(call)
     eng.step_runner.add_call_hook(hook)
     prompts = _prompts()
@@ -109,7 +110,8 @@ def test_activated_mixed_with_preft_and_base_in_one_batch(runner, mode):
     first = prompts["twice"].index(INV["twice"][0])
     p = prompts["twice"]
     assert p[first:first + 4] == list(INV["twice"]) and first < len(p) - 12
-    assert banked and (plain if mode == "prefill" else True)
+    # one decode batch mixes activated rows (their slot) with PreFT / base rows (slot 0: base weights)
+    assert any((ids > 0).any() and (ids == 0).any() for ids in banked)
     # base-only engine work afterwards: decode is the plain base program again
     n = len(banked)
     eng.generate([(prompts["preft"], "preft", sp), (prompts["base"], None, sp)])
@@ -212,7 +214,8 @@ def test_prefix_cache_base_blocks_shared_across_alora_adapters(runner):
     conv = rng.integers(10, CFG.vocab_size, 20).tolist()          # 5 full blocks of 4
     sp = SamplingParams(max_new_tokens=4, stop_token_ids=NO_STOP)
     follow = [(conv + [11] + list(INV["mid"]), "mid"), (conv + list(INV["end"]) + [12], "end"),
-              (conv + [13, 14, 15], "lastk"), (conv + [16, 17], None), (conv + [18] + list(INV["mid"]), "mid")]
+              (conv + [13, 14, 15], "lastk"), (conv + [16, 17], None), (conv + [18] + list(INV["mid"]), "mid"),
+              (conv + [19, 20], "preft")]
     out = {}
     for prefix in (True, False):
         eng = _engine(runner, prefix=prefix)
@@ -227,7 +230,8 @@ def test_prefix_cache_base_blocks_shared_across_alora_adapters(runner):
     assert out[True][:2] == out[False][:2]
     # conv = 20 tokens = blocks 0-4. mid: start 21 -> blocks 0-4 base (5 hits); end: start 20 -> 5;
     # lastk (prompt 23, last 3 adapted: from 20) -> 5; base: 22 tokens, last token computed -> 5;
-    # a second mid request: its own adapted block 5 is not shared (different token 18) -> 5
-    assert out[True][2] == [5, 5, 5, 5, 5] and out[False][2] == [0] * 5
+    # a second mid request: its own adapted block 5 is not shared (different token 18) -> 5;
+    # a PreFT request adapting its whole prompt shares nothing -> 0
+    assert out[True][2] == [5, 5, 5, 5, 5, 0] and out[False][2] == [0] * 6
     for (p, name), toks in zip(follow, out[True][1]):
         assert _replay_ok(p, toks, name)
