@@ -98,8 +98,9 @@ def _tokens_of(out):
 
 # Columns of a decode row in `DecodeRows.buffer` (int32; floats and key data stored as their bits),
 # then the row's block table.
-TOKEN, FROM_PREV, CONTEXT, CHUNK, WRITE, PROMPT, ADAPTER, START, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(13)
-BLOCKS = KEY + 2
+TOKEN, FROM_PREV, CONTEXT, CHUNK, WRITE, PROMPT, ADAPTER, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(12)
+START = KEY + 2                  # an activated (aLoRA) row's activation start (0 for other rows)
+BLOCKS = START + 1
 
 
 def _decode_step(graphdef, state, packed, prev_tokens, cache, bank, native, *, attention: str, logprobs: bool):
