@@ -257,3 +257,59 @@ def test_train_sft_activated_cli_exports_peft_alora(tiny, tmp_path):
     got = runner.generate([prompt], SamplingParams(max_new_tokens=N_NEW, stop_token_ids=(-1,)),
                           bank=build_bank(cfg, [w]), adapter_ids=[1])
     assert got[0].tokens == want
+
+
+@pytest.mark.slow
+def test_peft_alora_served_by_the_engine_in_a_mixed_batch(tiny, tmp_path):
+    """The serving engine (prefix cache on, PEFT folders loaded by the registry, prefill mode: the aLoRA
+    adapters keep their own policy): three PEFT aLoRA adapters (invocation in the middle, at the end,
+    twice), a PreFT LoRA and the base model submitted together and stepped in one batch; each
+    request's greedy tokens equal PEFT's `generate` (PreFT: the torch PreFT reference). Then the
+    same aLoRA requests again after a shared base conversation: prefix hits, same tokens."""
+    from serve.engine import Engine, EngineConfig
+    from serve.registry import AdapterRegistry
+    from serve.step_runner import CHUNK, DecodeCall
+    folder, ids, cfg, runner = tiny
+    rng = np.random.default_rng(3)
+    r = lambda n: rng.integers(0, 300, n).tolist()                       # noqa: E731
+    h = ids["<|start_header_id|>"]
+    invs = {"middle": [h, 65, 66], "end": [40, 41], "twice": [h, 7, 8, 9]}
+    conv = r(16)
+    prompts = {"middle": conv + r(3) + invs["middle"] + r(6), "end": conv + r(6) + invs["end"],
+               "twice": conv + invs["twice"] + r(5) + invs["twice"] + r(3), "preft": conv + r(5), "base": conv + r(4)}
+    folders = {k: _peft_adapter(tiny, tmp_path / k, seed, inv) for seed, (k, inv) in enumerate(invs.items(), 11)}
+    folders["preft"] = _peft_adapter(tiny, tmp_path / "preft", 17)
+    want = {k: _peft_generate(tiny, folders[k], prompts[k]) for k in invs}
+    want["preft"] = _hf_preft_generate(tiny, folders["preft"], prompts["preft"])
+    want["base"] = _hf_base_generate(tiny, prompts["base"])
+    for k in ("middle", "end", "twice", "preft"):
+        assert want[k] != _hf_base_generate(tiny, prompts[k])                  # adapters matter
+
+    reg = AdapterRegistry(cfg, capacity=4, lora_rank=4)
+    for k, f in folders.items():
+        reg.load(k, f)
+    eng = Engine(runner, reg, EngineConfig(max_num_seqs=5, max_prefill_seqs=4, max_model_len=96,
+                                           max_num_batched_tokens=128, block_size=4))
+    assert {k: p.mode for k, p in reg.policies().items()} == {**{k: "activated" for k in invs}, "preft": "prefill"}
+    sp = SamplingParams(max_new_tokens=N_NEW, stop_token_ids=(-1,))
+    order = ["middle", "preft", "end", "base", "twice"]
+    live = []
+
+    def hook(call, run):                     # rows per decode call: the five decode together
+        if isinstance(call, DecodeCall):
+            live.append(int((np.asarray(call.packed)[:, CHUNK] > 0).sum()))
+        return run(call)
+    eng.step_runner.add_call_hook(hook)
+    reqs = {k: eng.submit(prompts[k], None if k == "base" else k, sp) for k in order}
+    while eng.busy:
+        eng.step()
+    assert max(live) == 5
+    for k, q in reqs.items():
+        assert q.result.tokens == want[k], k
+    hits = eng.pool.stats.hits
+    again = {k: eng.submit(prompts[k], k, sp) for k in invs}
+    while eng.busy:
+        eng.step()
+    assert eng.pool.stats.hits - hits >= 3 * (len(conv) // 4)                # at least the conversation's blocks
+    for k, q in again.items():
+        assert q.result.tokens == want[k], k
