@@ -10,8 +10,9 @@ Each `step()`:
   3. has its device side (`StepRunner`, serve/step_runner.py: KV pool, buckets, host arrays, jitted
      calls) run at most two jitted calls (`preft_jax.paged_step`): the prefill chunks (adapted per
      the position policy; a row whose chunk ends its prompt samples its first token) and the decode
-     rows, in PreFT mode ("prefill") on the base weights alone, in the all-token baseline ("all")
-     with each row's adapter. Each call returns sampled token ids only (plus, only for calls with a
+     rows: on the base weights alone (PreFT and base rows), unless a row's generated tokens use its
+     adapter (mode "all", or an activated (aLoRA) adapter in either mode): then the call carries the
+     bank and each row's policy decides per token (PreFT and base rows still run on base weights). Each call returns sampled token ids only (plus, only for calls with a
      row that asked for them, the top log-probabilities: `paged_step(logprobs=True)`);
   4. hands the ids to the requests (("tokens", ids) events, preceded by ("logprobs", entries) when
      asked for); text, stop strings and UTF-8 hold-back are the consumer's (serve/output.py).
@@ -26,8 +27,14 @@ KV blocks (the partial last block is copied on first write, see serve/scheduler.
 tokens are drawn from the one prefill's logits (`sample_rows`).
 
 PreFT adapters need the device only while the prompt is prefilled: a request pins a device bank
-slot when its prefill starts and unpins it when the prefill ends (mode "all" keeps it until the end);
-the scheduler owns every pin and unpin (serve/scheduler.py).
+slot when its prefill starts and unpins it when the prefill ends (mode "all" and activated adapters
+keep it until the end); the scheduler owns every pin and unpin (serve/scheduler.py).
+
+Activated (aLoRA) adapters act from the last occurrence of their invocation sequence in the prompt
+on (`preft_jax.adapters.policy`); the engine finds it once per request, when the adapter version is
+resolved (`serve.validation.activation_start`: a prompt without it is refused, 400, at submit when
+the adapter is loaded, else when it has loaded) and passes it to every prefill and decode call
+(`adapter_starts`). The prompt's blocks before it are base blocks in the prefix cache.
 
 A request is validated once, at submit, before anything is queued (serve/validation.py; sampling
 fields by `SamplingParams`).

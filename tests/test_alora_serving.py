@@ -235,3 +235,37 @@ def test_prefix_cache_base_blocks_shared_across_alora_adapters(runner):
     assert out[True][2] == [5, 5, 5, 5, 5, 0] and out[False][2] == [0] * 6
     for (p, name), toks in zip(follow, out[True][1]):
         assert _replay_ok(p, toks, name)
+
+
+def test_http_models_list_policies_and_missing_invocation_is_400(runner):
+    httpx = pytest.importorskip("httpx")
+    from serve.server import BackgroundServer, create_app
+
+    class Tok:                                   # one token per latin-1 character
+        eos_token_ids = (2,)
+
+        def encode(self, text, add_bos=False):
+            return list(text.encode("latin-1"))
+
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(int(i) for i in ids).decode("latin-1")
+    eng = _engine(runner)
+    with BackgroundServer(create_app(eng, Tok(), model_id="base")) as srv:
+        models = {m["id"]: m for m in httpx.get(f"{srv.url}/v1/models").json()["data"]}
+        assert "policy" not in models["base"]
+        assert models["end"]["policy"] == "activated from invocation [40, 41]"
+        assert models["end"]["position_policy"] == {"mode": "activated", "first_k": None, "last_k": None,
+                                                   "invocation_tokens": [40, 41]}
+        assert models["lastk"]["policy"] == "prefill (last_k=3)" and models["preft"]["policy"] == "prefill"
+        assert httpx.get(f"{srv.url}/v1/models/mid").json()["policy"] == "activated from invocation [7, 8, 9]"
+        body = {"model": "end", "prompt": [50, 41, 40, 60], "max_tokens": 2}
+        res = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+        assert res.status_code == 400
+        assert res.json()["error"] == {
+            "message": "the prompt (4 tokens) does not contain the invocation sequence [40, 41] of the activated "
+                       "(aLoRA) adapter 'end'; an activated adapter acts from the last occurrence of its invocation "
+                       "sequence in the prompt, so the prompt must contain it",
+            "type": "invalid_request_error", "code": "invocation_missing", "param": "prompt"}
+        ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": [50, 40, 41, 60]}, timeout=120)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    eng.shutdown()
