@@ -269,3 +269,16 @@ def test_http_models_list_policies_and_missing_invocation_is_400(runner):
         ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": [50, 40, 41, 60]}, timeout=120)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     eng.shutdown()
+
+
+def test_prebuilt_bank_serves_activated_adapters(runner):
+    """`AdapterRegistry.from_bank` (a bank built by `build_bank`): the aLoRA slot keeps its policy."""
+    from preft_jax.adapters.bank import build_bank
+    reg = AdapterRegistry.from_bank(CFG, build_bank(CFG, [ALORA["end"], PREFT]), ["end", "preft"])
+    assert reg.policies() == {"end": PositionPolicy.activated(INV["end"]), "preft": PositionPolicy()}
+    eng = Engine(runner, reg, EngineConfig(max_num_seqs=2, max_model_len=48, max_num_batched_tokens=32,
+                                           block_size=4, cpu_decode=CPU_DECODE))
+    p = _prompts()
+    sp = SamplingParams(max_new_tokens=6, stop_token_ids=NO_STOP)
+    out = eng.generate([(p["end"], "end", sp), (p["preft"], "preft", sp)])
+    assert _replay_ok(p["end"], out[0].tokens, "end") and _replay_ok(p["preft"], out[1].tokens, "preft")
