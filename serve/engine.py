@@ -12,8 +12,9 @@ Each `step()`:
      the position policy; a row whose chunk ends its prompt samples its first token) and the decode
      rows: on the base weights alone (PreFT and base rows), unless a row's generated tokens use its
      adapter (mode "all", or an activated (aLoRA) adapter in either mode): then the call carries the
-     bank and each row's policy decides per token (PreFT and base rows still run on base weights). Each call returns sampled token ids only (plus, only for calls with a
-     row that asked for them, the top log-probabilities: `paged_step(logprobs=True)`);
+     bank and each row's policy decides per token (PreFT and base rows still run on base weights).
+     Each call returns sampled token ids only (plus, only for calls with a row that asked for them,
+     the top log-probabilities: `paged_step(logprobs=True)`);
   4. hands the ids to the requests (("tokens", ids) events, preceded by ("logprobs", entries) when
      asked for); text, stop strings and UTF-8 hold-back are the consumer's (serve/output.py).
 

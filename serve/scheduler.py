@@ -19,7 +19,8 @@ Prefix caching: on admission, the leading full blocks of a sequence's tokens are
 adapted, the adapter's identity (weights digest + policy). After each step the newly completed full
 blocks are registered. Which positions are adapted is the policy's (`first_adapted_position`): the
 blocks before an activated (aLoRA) request's activation start, or before a PreFT last_k window, are
-base blocks, shared with base requests and across adapters. The last prompt token is always computed (its logits sample the first token).
+base blocks, shared with base requests and across adapters. The last prompt token is always
+computed (its logits sample the first token).
 
 Device adapter slots: the scheduler is the one owner of pins. A sequence pins its adapter's device
 slot when it is admitted (`_admit`); in PreFT mode ("prefill") it unpins when its prompt is done
