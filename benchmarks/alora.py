@@ -34,16 +34,10 @@ INVOCATION_LEN = 4
 
 
 def adapters(cfg, n: int, rank: int, seed: int = 0):
-    """n random LoRA weights (policy set by the caller) and n distinct invocation sequences."""
-    from preft_jax.adapters.config import LoraConfig, LoraWeights
-    dims, L = cfg.projection_dims(), cfg.n_layers
-    rng = np.random.default_rng(seed)
-    conf = LoraConfig(rank=rank, alpha=float(2 * rank), targets=TARGETS)
-    weights = []
-    for _ in range(n):
-        A = {t: (rng.standard_normal((L, dims[t][0], rank)) / np.sqrt(dims[t][0])).astype(np.float32) for t in TARGETS}
-        B = {t: (0.02 * rng.standard_normal((L, rank, dims[t][1]))).astype(np.float32) for t in TARGETS}
-        weights.append(LoraWeights(conf, A, B))
+    """n random LoRA weights (benchmarks.prefix's; policy set by the caller) and n distinct invocations."""
+    from benchmarks.prefix import adapters as random_loras
+    weights = random_loras(cfg, n, rank, None, seed)
+    rng = np.random.default_rng(seed + 1)
     invocations = set()
     while len(invocations) < n:
         invocations.add(tuple(int(t) for t in rng.integers(0, cfg.vocab_size, INVOCATION_LEN)))
