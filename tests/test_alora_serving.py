@@ -282,3 +282,22 @@ def test_prebuilt_bank_serves_activated_adapters(runner):
     sp = SamplingParams(max_new_tokens=6, stop_token_ids=NO_STOP)
     out = eng.generate([(p["end"], "end", sp), (p["preft"], "preft", sp)])
     assert _replay_ok(p["end"], out[0].tokens, "end") and _replay_ok(p["preft"], out[1].tokens, "preft")
+
+
+def test_prefix_blocks_computed_by_an_alora_request_are_base_blocks(runner):
+    """The other direction: the first request on a conversation is an aLoRA one; its blocks before
+    the activation start serve a PreFT last_k request, another aLoRA adapter and a base request."""
+    conv = np.random.default_rng(6).integers(10, CFG.vocab_size, 16).tolist()      # 4 full blocks
+    sp = SamplingParams(max_new_tokens=3, stop_token_ids=NO_STOP)
+    follow = [(conv + list(INV["end"]) + [21], "end"), (conv + [22, 23, 24, 25], "lastk"),
+              (conv + list(INV["mid"]), "mid"), (conv + [26], None)]
+    hits, out = {}, {}
+    for prefix in (True, False):
+        eng = _engine(runner, prefix=prefix)
+        hits[prefix], out[prefix] = [], []
+        for p, name in follow:
+            h0 = eng.pool.stats.hits
+            out[prefix].append(eng.generate([(p, name, sp)])[0].tokens)
+            hits[prefix].append(eng.pool.stats.hits - h0)
+    assert hits[True] == [0, 4, 4, 4] and hits[False] == [0] * 4
+    assert out[True] == out[False]
