@@ -61,7 +61,7 @@ def make_engine(runner, weights, mode: str, args):
     return Engine(runner, reg, EngineConfig(
         mode=mode, max_num_seqs=n, max_model_len=max_len, max_prefill_seqs=args.prefill_seqs,
         max_num_batched_tokens=n + args.prefill_tokens, block_size=args.block_size,
-        kv_cache_tokens=(n + 1) * max_len, enable_prefix_cache=True))
+        kv_cache_tokens=(n + 1) * max_len, enable_prefix_cache=True, request_timeout=None))
 
 
 def main(argv=None) -> int:
