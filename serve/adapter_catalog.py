@@ -386,9 +386,10 @@ class AdapterCatalog:
         """The serving position policy of every adapter `names()` lists (None: a folder adapter not
         in the host tier now; its policy is known once it loads)."""
         with self.lock:
-            out = {n: e.policy for n, e in self._host.items()}
+            names = self.names()
+            out = {n: e.policy for n, e in self._host.items() if n in names}
             for n, src in self._sources.items():
-                if n not in out:
+                if n in names and n not in out:
                     out[n] = None if src.weights is None else with_serving_policy(src.weights, self.mode).config.policy
             return out
 

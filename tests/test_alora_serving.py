@@ -15,7 +15,7 @@ from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams
 from reference_llama import random_params, reference_logits
 from serve.engine import Engine, EngineConfig
-from serve.errors import AdapterLoadError, InvocationMissingError
+from serve.errors import AdapterFitError, InvocationMissingError
 from serve.registry import AdapterRegistry
 from serve.step_runner import ADAPTER, CHUNK, DecodeCall
 
@@ -185,11 +185,12 @@ def test_prompt_without_invocation_is_refused(runner, tmp_path):
 
 def test_invocation_longer_than_the_bank_holds():
     reg = AdapterRegistry(CFG, capacity=2, lora_rank=4, max_invocation_tokens=3)
-    with pytest.raises(AdapterLoadError) as e:
+    with pytest.raises(AdapterFitError) as e:
         reg.load("long", ALORA["twice"])
     assert str(e.value) == ("cannot load adapter 'long': invocation sequence of 4 tokens does not fit the adapter "
                             "bank, which holds invocation sequences of up to 3 tokens (build it with "
-                            "max_invocation_tokens >= 4)")
+                            "max_invocation_tokens >= 4) (the server's --lora-rank / --reft-rank / "
+                            "--max-invocation-tokens size the adapter bank)")
     reg.load("short", ALORA["end"])
     assert reg.policies() == {"short": PositionPolicy.activated(INV["end"])}
 
