@@ -112,9 +112,10 @@ def test_activated_mixed_with_preft_and_base_in_one_batch(runner, mode):
     assert p[first:first + 4] == list(INV["twice"]) and first < len(p) - 12
     # one decode batch mixes activated rows (their slot) with PreFT / base rows (slot 0: base weights)
     assert any((ids > 0).any() and (ids == 0).any() for ids in banked)
-    # base-only engine work afterwards: decode is the plain base program again
+    # no row whose generated tokens use an adapter (PreFT + base; mode "all": base only): the plain
+    # base program again
     n = len(banked)
-    eng.generate([(prompts["preft"], "preft", sp), (prompts["base"], None, sp)])
+    eng.generate([(prompts["preft"], "preft", sp)] * (mode == "prefill") + [(prompts["base"], None, sp)])
     assert len(banked) == n
     assert eng.registry.occupancy()["device_pinned"] == 0                    # every pin released
 
