@@ -177,11 +177,16 @@ def test_prompt_without_invocation_is_refused(runner, tmp_path):
     reg = AdapterRegistry(CFG, capacity=2, lora_rank=4, reft_rank=4, adapter_dir=tmp_path)
     eng2 = Engine(runner, reg, EngineConfig(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16,
                                             block_size=4, cpu_decode=CPU_DECODE))
-    req = eng2.submit(bad, "late", SamplingParams(max_new_tokens=3))
-    while eng2.busy:
-        eng2.step()
-    assert req.error is not None and str(req.error) == msg.replace("'end'", "'late'")
-    assert req.error.status == 400 and req.error.code == "invocation_missing"
+    try:           # the loader thread may finish first: then submit itself refuses it
+        req = eng2.submit(bad, "late", SamplingParams(max_new_tokens=3))
+        while eng2.busy:
+            eng2.step()
+        err = req.error
+    except InvocationMissingError as e:
+        err = e
+    assert err is not None and str(err) == msg.replace("'end'", "'late'")
+    assert err.status == 400 and err.code == "invocation_missing"
+    assert reg.in_use("late") == 0
 
 
 def test_invocation_longer_than_the_bank_holds():
