@@ -21,6 +21,7 @@ the engine's host work per step that the device did not hide.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -39,7 +40,8 @@ def make_engine(runner, adapter_dir, steps, args):
     R = args.requests
     return Engine(runner, reg, EngineConfig(
         max_num_seqs=R, max_model_len=args.prompt_len + args.max_tokens, max_prefill_seqs=R,
-        max_num_batched_tokens=R + R * args.prompt_len, enable_prefix_cache=False, num_scheduler_steps=steps))
+        max_num_batched_tokens=R + R * args.prompt_len, enable_prefix_cache=False, num_scheduler_steps=steps,
+        cpu_decode=getattr(args, "cpu_decode", "auto")))
 
 
 def served_engine(runner, adapter_dir, steps, args):
@@ -71,8 +73,12 @@ class Recorder:
         return out
 
     def staged(self):
-        """The recorded calls (ready on the device), and a fresh start."""
+        """The recorded calls with every argument on the device (a decode call's host buffer moved
+        there: the bare loop pays no transfer), and a fresh start."""
+        from serve.step_runner import DecodeCall
         out, self.calls = self.calls, []
+        out = [dataclasses.replace(c, packed=jax.device_put(c.packed)) if isinstance(c, DecodeCall) else c
+               for c in out]
         jax.block_until_ready([c.arrays() for c in out])
         return out
 
@@ -110,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, nargs="+", default=[4, 1], help="num_scheduler_steps values")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cpu-decode", default="auto", choices=("auto", "native", "xla"),
+                    help="EngineConfig.cpu_decode: the CPU base decode path (both loops run the same one)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     t_all = time.perf_counter()

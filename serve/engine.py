@@ -132,6 +132,8 @@ class Engine:
         self._load_failures: list[tuple[Sequence, RequestError]] = []
         self.metrics = EngineMetrics()
         self.steps = 0
+        self._inflight: DecodeStep | None = None  # a decode call left in flight by a quiet step (async scheduling)
+        self._new_tokens = 0                     # generated this step (the metrics counter is updated once per step)
 
     @property
     def mode(self) -> str:
@@ -324,6 +326,13 @@ class Engine:
             with self._state:
                 self._drain_inbox()
                 self._sweep()
+                carry_on = self._inflight is not None and self._only_inflight_runs()
+            if carry_on:                       # async scheduling: nothing new, the decode pipeline goes on
+                self._run_decode(None, self.config.num_scheduler_steps, keep=True)
+                return
+            if self._inflight is not None:     # new work: hand out the call in flight first
+                self._run_decode(None, 0)
+            with self._state:
                 plan = self.scheduler.schedule(self._adapter_ready)
                 for seq, err in self._load_failures:
                     self._terminate(seq.req, error=EngineError(err.public_message, err.status, err.code))
@@ -338,8 +347,11 @@ class Engine:
             decode = [s for s in plan.decode if not s.req.finished and s.status == DECODE]
             if decode:
                 quiet = not plan.prefill and not self._inbox and not self.scheduler.waiting
-                self._run_decode(decode, self.config.num_scheduler_steps if quiet else 1)
+                self._run_decode(decode, self.config.num_scheduler_steps if quiet else 1, keep=quiet)
         finally:
+            if self._new_tokens:
+                self.metrics.generated_tokens += self._new_tokens
+                self._new_tokens = 0
             self.steps += 1
             self._last_step_end = time.monotonic()
             self._step_started = None
@@ -467,13 +479,31 @@ class Engine:
                 self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
 
-    def _run_decode(self, seqs: list[Sequence], iterations: int = 1):
-        """`iterations` decode calls for the running sequences. From the second on, each call is
-        dispatched before the host has seen the previous call's tokens (its input tokens stay on the
-        device): the host's token handling overlaps the device's next step. A sequence that stops on
-        a token the host has not seen yet has one extra token computed and discarded."""
+    def _only_inflight_runs(self) -> bool:
+        """Whether this step has nothing to do but continue the decode call left in flight: no request
+        waiting, none prefilling, and the running sequences exactly that call's (a row it could not
+        continue, e.g. for want of a KV block, goes back through the scheduler)."""
+        if self._inbox or self.scheduler.waiting:
+            return False
+        running = self.scheduler.running
+        live = [s for s in self._inflight.seqs if not s.req.finished]
+        return len(live) == len(running) and set(live) == set(running)
+
+    def _run_decode(self, seqs: list[Sequence] | None, iterations: int = 1, keep: bool = False):
+        """`iterations` decode calls for the running sequences `seqs` (None: continue the call in
+        flight, `_inflight`). Every call after the first is dispatched before the host has seen the
+        previous call's tokens (its input tokens stay on the device): the host's token handling
+        overlaps the device's next step. A sequence that stops on a token the host has not seen yet
+        has one extra token computed and discarded.
+
+        `keep` (num_scheduler_steps > 1, a quiet step): the last call is left in flight and the step
+        returns (vLLM's async scheduling); the next step dispatches its successor before handing out
+        its tokens, or, when there is new work, hands them out first. So the device never waits for
+        the host between steps, and a step's last tokens reach the requests at the start of the next."""
         c = self.config
-        pending: DecodeStep | None = None                       # dispatched, not yet processed
+        pending, self._inflight = self._inflight, None          # dispatched, not yet processed
+        if seqs is None:
+            seqs = pending.seqs
         try:
             for it in range(iterations):
                 if pending is None:
@@ -493,7 +523,10 @@ class Engine:
                 if pending is None:
                     break
             if pending is not None:
-                self._process_decode(pending)
+                if keep and c.num_scheduler_steps > 1:
+                    self._inflight = pending
+                else:
+                    self._process_decode(pending)
         except Exception:  # noqa: BLE001 - not attributable: every running request is affected
             log.exception("decode step failed; failing running requests %s", [s.req.request_id for s in seqs])
             self.metrics.step_failures["decode"] += 1
@@ -503,18 +536,20 @@ class Engine:
 
     def _process_decode(self, step: DecodeStep):
         host = to_host(step.out)                                # the one host transfer of the call
-        nxt = host["tokens"]
+        tokens = host["tokens"][step.rows].tolist()             # one gather + conversion, not one per row
+        logprobs, now = "logprob" in host, time.monotonic()
         with self._state:
-            for s, r in zip(step.seqs, step.rows):
+            for s, r, token in zip(step.seqs, step.rows.tolist(), tokens):
                 if s.req.finished or s.status != DECODE:
                     continue
                 s.num_computed += 1
                 self.scheduler.register_computed(s)
-                self._accept_safely(s, int(nxt[r]), token_entry(host, r, s.req.sampling.logprobs))
+                self._accept_safely(s, token, token_entry(host, r, s.req.sampling.logprobs) if logprobs else None, now)
 
     def _recover_cache(self):
         """After a failed call: if the donated KV pool was consumed, rebuild it, forget the prefix
         cache, and requeue every running sequence for recompute (prompt + generated tokens)."""
+        self._inflight = None                                   # its rows are gone with the failed call
         if not self.step_runner.cache_lost():
             return
         with self._state:
@@ -527,30 +562,28 @@ class Engine:
             self.step_runner.reset_cache()
 
     # ---- tokens ----------------------------------------------------------------------------
-    def _accept_safely(self, seq: Sequence, token: int, logprob=None):
+    def _accept_safely(self, seq: Sequence, token: int, logprob=None, now: float | None = None):
         try:
-            if logprob is None:
-                self._accept(seq, token)
-            else:
-                self._accept(seq, token, logprob)
+            self._accept(seq, token, logprob, now)
         except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
             log.exception("request %s: could not process its token", seq.req.request_id)
             self._terminate(seq.req, error=_engine_failure("processing its output", seq.req))
 
-    def _accept(self, seq: Sequence, token: int, logprob=None):
+    def _accept(self, seq: Sequence, token: int, logprob=None, now: float | None = None):
         """Records a sampled token (and its log-prob entry, when asked for); retires the request
-        when it is finished."""
+        when it is finished. `now`: the time the call's tokens reached the host (one clock read per call)."""
         req = seq.req
         for hook in self._token_hooks:
             hook(req, token)
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now
             self.metrics.ttft.observe(now - req.submitted_at)
         else:
             self.metrics.inter_token.observe(now - req.last_token_at)
         req.last_token_at = now
-        self.metrics.generated_tokens += 1
+        self._new_tokens += 1
         if token in req.stop_token_ids:
             return self._terminate(req, "stop")
         seq.tokens.append(token)

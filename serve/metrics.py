@@ -11,13 +11,16 @@ is a slot of the device adapter bank; a *KV block* is a block of the paged KV ca
 """
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -48,9 +51,31 @@ class RateWindow:
             return sum(n for _, n in self._events) / self.window
 
 
+class LatencyHistogram:
+    """A histogram with one writer (the engine thread, once per generated token): `observe` is a
+    bisect and two additions, no lock; exported at scrape time as a prometheus histogram family
+    (cumulative `le` buckets, `_count`, `_sum`), like prometheus_client's `Histogram`, whose locked
+    observe cost the decode loop ~3 us per token."""
+
+    def __init__(self, name: str, doc: str, buckets):
+        self.name, self.doc, self.bounds = name, doc, tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.bounds) + 1)          # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self):
+        counts, total = list(self.counts), self.sum          # a snapshot (the writer may move on)
+        cum = list(itertools.accumulate(counts))
+        le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        yield HistogramMetricFamily(self.name, self.doc, buckets=list(zip(le, cum)), sum_value=total)
+
+
 class EngineMetrics:
     """Counters the engine updates from its thread (plain ints: single writer). The histograms are
-    unregistered prometheus_client Histograms; `EngineCollector` exports them."""
+    `LatencyHistogram`s; `EngineCollector` exports them."""
 
     def __init__(self):
         self.requests_submitted = 0
@@ -61,10 +86,9 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.by_mode: collections.Counter = collections.Counter()          # requests per serving mode
         self.tokens_per_s = RateWindow()
-        self.ttft = Histogram("preft_time_to_first_token_seconds", "submit to first token",
-                              buckets=DEFAULT_BUCKETS, registry=None)
-        self.inter_token = Histogram("preft_inter_token_seconds", "time between a request's tokens",
-                                     buckets=INTER_TOKEN_BUCKETS, registry=None)
+        self.ttft = LatencyHistogram("preft_time_to_first_token_seconds", "submit to first token", DEFAULT_BUCKETS)
+        self.inter_token = LatencyHistogram("preft_inter_token_seconds", "time between a request's tokens",
+                                            INTER_TOKEN_BUCKETS)
 
     @property
     def generated_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """A request's life in the engine: queued -> running -> exactly one terminal event.
 
-The engine puts token-level events into `Request.events` (a `queue.Queue` by default, or any object
-with `.put`, e.g. the server's asyncio bridge):
+The engine puts token-level events into `Request.events` (a `queue.SimpleQueue` by default: its put
+takes no Python-level lock, the engine thread's hot path; or any object with `.put`, e.g. the
+server's asyncio bridge):
 
     ("tokens", [token_ids])          zero or more, as tokens are produced
     ("logprobs", [entries])          before each "tokens" event when `sampling.logprobs` is set:
@@ -61,7 +62,7 @@ class Request:
     deadline: float | None = None          # time.monotonic() by which the request must end
     group: str | None = None               # the client request it belongs to (its prompts x n): the
                                            # scheduler shares steps fairly between groups
-    events: object = dataclasses.field(default_factory=queue.Queue)   # anything with .put(event)
+    events: object = dataclasses.field(default_factory=queue.SimpleQueue)   # anything with .put(event)
     tokens: list[int] = dataclasses.field(default_factory=list)    # generated ids (engine side)
     cancelled: bool = False
     result: Result | None = None
@@ -124,7 +125,7 @@ class Request:
                     return
 
     def wait(self, timeout: float | None = None) -> Result:
-        """Blocks until finished and returns the result (events: a queue.Queue). Raises EngineError
+        """Blocks until finished and returns the result (events: a queue.Queue or SimpleQueue). Raises EngineError
         if the request failed, DeadlineExceededError if nothing arrives in time (default: the
         request's deadline plus a margin; None without one)."""
         for kind, payload in self._public_events(timeout):

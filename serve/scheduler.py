@@ -150,6 +150,8 @@ class Scheduler:
     def grow(self, seq: Sequence, upto: int) -> bool:
         """Allocates blocks so positions < upto have a home; False when the pool is exhausted."""
         need = self._blocks_needed(seq, upto)
+        if need <= 0:                     # the common decode case: the block has room
+            return True
         if need > self.pool.num_available:
             return False
         seq.blocks.extend(self.pool.allocate_many(need))

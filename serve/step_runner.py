@@ -13,8 +13,8 @@ jitted call. The loop (serve/engine.py) decides what runs; the scheduler never t
     runner.cache_lost(); runner.reset_cache()          # after a failed call consumed the donated pool
     runner.compile_prefill / compile_decode / compile_forks   # warm-up (serve/warmup.py)
 
-Every jitted step is a call object, `PrefillCall` or `DecodeCall` (its arguments, already on the
-device; `rows`, `chunk` and `width` give its shape), run by `run(call)`; `add_call_hook(hook)` wraps
+Every jitted step is a call object, `PrefillCall` or `DecodeCall` (its arguments, on the device but
+for a decode call's host buffer; `rows`, `chunk` and `width` give its shape), run by `run(call)`; `add_call_hook(hook)` wraps
 that (benchmarks record and replay the calls, tests inject faults) and `run_on(call, cache)` runs one
 on any KV pool (a replay).
 
@@ -116,16 +116,18 @@ def _decode_step(graphdef, state, packed, prev_tokens, cache, bank, native, *, a
                       None if bank is None else col(START), logprobs=logprobs)
 
 
-_DECODE_STATIC = dict(static_argnums=0, static_argnames=("attention", "logprobs"), donate_argnames=("cache",))
-decode_step = jax.jit(_decode_step, **_DECODE_STATIC)
-
-
 @functools.lru_cache(maxsize=16)
-def sharded_decode_step(mesh, k_spec, v_spec):
-    """`decode_step` on a mesh: tokens replicated, the donated pool kept in its declared sharding."""
-    named = functools.partial(jax.sharding.NamedSharding, mesh)
-    return jax.jit(_decode_step, **_DECODE_STATIC,
-                   out_shardings=(named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec))))
+def decode_step(graphdef, mesh=None, k_spec=None, v_spec=None):
+    """`_decode_step` jitted with the model's graph bound in: a static graphdef argument would be
+    hashed whole at every dispatch (~0.1 ms per call for the tiny model, more with depth); here it is
+    hashed once, when a runner asks for its function. On a mesh: tokens replicated, the donated pool
+    kept in its declared sharding."""
+    kw = {}
+    if mesh is not None:
+        named = functools.partial(jax.sharding.NamedSharding, mesh)
+        kw["out_shardings"] = (named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec)))
+    return jax.jit(functools.partial(_decode_step, graphdef), static_argnames=("attention", "logprobs"),
+                   donate_argnames=("cache",), **kw)
 
 
 @dataclasses.dataclass
@@ -162,9 +164,10 @@ class PrefillCall:
 
 @dataclasses.dataclass
 class DecodeCall:
-    """The arguments of one decode call (one token per row), on the device: the rows' buffer and the
-    tokens of the decode call before (used by the rows marked FROM_PREV)."""
-    packed: jax.Array                    # int32 [R, BLOCKS + width] (`DecodeRows` layout)
+    """The arguments of one decode call (one token per row): the rows' buffer (a host copy, moved by
+    the call's dispatch) and the tokens of the decode call before, on the device (used by the rows
+    marked FROM_PREV)."""
+    packed: np.ndarray | jax.Array       # int32 [R, BLOCKS + width] (`DecodeRows` layout)
     prev_tokens: jax.Array               # int32 [R]
     bank: object                         # the adapter bank when a row's generated tokens use its adapter
                                          # (all-token or activated); else None (base weights)
@@ -293,13 +296,14 @@ class StepRunner:
         self.mesh = model.mesh
         cfg, bs = model.cfg, config.block_size
         self.drop_index = num_blocks * bs                   # a write here is dropped (padding)
-        self._step_fn, self._decode_fn, self.cache_shardings = paged_step, decode_step, None
+        self._step_fn, self._decode_fn, self.cache_shardings = paged_step, decode_step(model.graphdef), None
         no_prev = jax.devices()[0]                          # placed as a call's output tokens are
         if self.mesh is not None:
             abstract = jax.eval_shape(lambda: PagedKVCache.create(cfg, num_blocks, bs, model.dtype))
             self.cache_shardings = shd.cache_shardings(abstract, self.mesh, cfg)
             self._step_fn = sharded_paged_step(self.mesh, self.cache_shardings)
-            self._decode_fn = sharded_decode_step(self.mesh, self.cache_shardings.k.spec, self.cache_shardings.v.spec)
+            self._decode_fn = decode_step(model.graphdef, self.mesh, self.cache_shardings.k.spec,
+                                          self.cache_shardings.v.spec)
             no_prev = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             if registry.bank is not None:
                 registry.place(shd.bank_shardings(registry.bank, self.mesh, cfg))
@@ -376,7 +380,7 @@ class StepRunner:
         dict of device arrays (`paged_step`) when the call asks for log-probabilities or logits."""
         if isinstance(call, DecodeCall):
             with self.model.mesh_context():
-                return self._decode_fn(self.model.graphdef, self.model.state, call.packed, call.prev_tokens, cache,
+                return self._decode_fn(self.model.state, call.packed, call.prev_tokens, cache,
                                        call.bank, call.native, attention=call.attention, logprobs=call.logprobs)
         temp, top_p, top_k, key_data, counters = call.sampling
         with self.model.mesh_context():
@@ -451,15 +455,16 @@ class StepRunner:
 
     def _decode(self, rows: DecodeRows, nb: int, prev_tokens) -> DecodeCall:
         """The call over every decode row (block tables `nb` wide): one transfer of the rows' buffer,
-        copied first (a transfer may read host memory after it returns: jax aliases numpy buffers on
-        CPU, and the buffer changes before the next call).
+        made by the jitted call's own dispatch (C++: ~25 us less per call than a `jax.device_put`
+        first), of a copy (a transfer may read host memory after it returns: jax aliases numpy
+        buffers on CPU, and the buffer changes before the next call).
 
         The bank goes with the call only when some row's generated tokens use its adapter (mode
         "all", or an activated (aLoRA) adapter): then every row runs the adapted program and the
         position policy leaves PreFT and base rows on the base weights; otherwise the call is the
         base-weights program (the native CPU step where it serves: a batch with such rows runs on XLA)."""
         bank = self.registry.bank if rows.adapted_rows > 0 else None
-        return DecodeCall(jax.device_put(rows.buffer[:, :BLOCKS + nb].copy()), prev_tokens, bank,
+        return DecodeCall(rows.buffer[:, :BLOCKS + nb].copy(), prev_tokens, bank,
                           self.native if bank is None else None, self.decode_attention, rows.logprob_rows > 0)
 
     # ---- parallel samples and block copies -------------------------------------------------
