@@ -217,44 +217,47 @@ class DecodeRows:
         self.write_index[:], self.prompt_lens[:], self.top_p[:] = drop_index, 1, 1.0   # padding rows
         self.row_of: dict[Sequence, int] = {}
         self._admitted = [0] * rows          # the admission a row was filled for (re-admission: refill)
-        self._blocks = [0] * rows            # block-table entries written
+        self._blocks = np.zeros(rows, np.int64)   # block-table entries written
         self._free = list(range(rows))       # a heap: the lowest free row first
         self.logprob_rows = 0                # rows that asked for log-probabilities
         self.adapted_rows = 0                # rows whose generated tokens use their adapter (slot pinned)
 
     def update(self, seqs: list[Sequence], ahead: int) -> tuple[np.ndarray, int, bool]:
         """Makes the rows hold exactly `seqs` at their next position (+ `ahead` tokens dispatched but
-        not yet seen). Returns (row of each sequence, block-table width needed, whether a row was filled)."""
-        row_of, bs = self.row_of, self.block_size
+        not yet seen). Returns (row of each sequence, block-table width needed, whether a row was filled).
+        Per row only attribute reads in list comprehensions; the buffer is written column-wise (numpy),
+        so a decode step's host cost grows slowly with its rows."""
+        row_of, bs, admitted = self.row_of, self.block_size, self._admitted
         if len(row_of) != len(seqs) or any(s not in row_of for s in seqs):
             live = set(seqs)
             for s in [s for s in row_of if s not in live]:
                 self.release(s)
-        rows = np.empty(len(seqs), np.int32)
-        width, filled = 1, False
-        for i, s in enumerate(seqs):
-            r = row_of.get(s)
-            if r is None or self._admitted[r] != s.admitted_at:
-                if r is not None:
-                    self.release(s)
-                r = self._fill(s)
-                filled = True
-            p = s.num_computed + ahead
-            blocks, b = s.blocks, p // bs
-            if len(blocks) > self._blocks[r]:              # blocks gained since the last call
-                self.block_tables[r, self._blocks[r]:len(blocks)] = blocks[self._blocks[r]:]
-                self._blocks[r] = len(blocks)
-            block = blocks[b]
-            self.block_tables[r, b] = block                # a copy-on-write replaces the written block
-            self.context_lens[r] = p
-            self.write_index[r] = block * bs + p % bs
-            self.counters[r] = len(s.req.tokens) + ahead
-            self.from_prev[r] = ahead                      # its token: the previous call's output
-            if not ahead:
-                self.tokens[r] = s.tokens[p]
-            width = max(width, b + 1)
-            rows[i] = r
-        return rows, width, filled
+        rows_l = [row_of.get(s) for s in seqs]
+        filled = None in rows_l or any(admitted[r] != s.admitted_at for r, s in zip(rows_l, seqs))
+        if filled:                                         # new (or re-admitted) sequences: fill their rows
+            for i, s in enumerate(seqs):
+                r = rows_l[i]
+                if r is None or admitted[r] != s.admitted_at:
+                    if r is not None:
+                        self.release(s)
+                    rows_l[i] = self._fill(s)
+        rows = np.array(rows_l, np.int32)
+        pos = np.fromiter([s.num_computed for s in seqs], np.int64, len(seqs)) + ahead
+        lens = np.fromiter([len(s.blocks) for s in seqs], np.int64, len(seqs))
+        for i in np.flatnonzero(lens > self._blocks[rows]).tolist():      # blocks gained since the last call
+            r, blocks = rows_l[i], seqs[i].blocks
+            self.block_tables[r, self._blocks[r]:len(blocks)] = blocks[self._blocks[r]:]
+            self._blocks[r] = len(blocks)
+        b = pos // bs
+        block = np.fromiter([s.blocks[j] for s, j in zip(seqs, b.tolist())], np.int64, len(seqs))
+        self.block_tables[rows, b] = block                 # a copy-on-write replaces the written block
+        self.context_lens[rows] = pos
+        self.write_index[rows] = block * bs + pos % bs
+        self.counters[rows] = np.fromiter([len(s.req.tokens) for s in seqs], np.int64, len(seqs)) + ahead
+        self.from_prev[rows] = ahead                       # its token: the previous call's output
+        if not ahead:
+            self.tokens[rows] = [s.tokens[q] for s, q in zip(seqs, pos.tolist())]
+        return rows, int(b.max(initial=0)) + 1, filled
 
     def _fill(self, s: Sequence) -> int:
         r = heapq.heappop(self._free)
