@@ -18,6 +18,14 @@ Each `step()`:
   4. hands the ids to the requests (("tokens", ids) events, preceded by ("logprobs", entries) when
      asked for); text, stop strings and UTF-8 hold-back are the consumer's (serve/output.py).
 
+Async scheduling (vLLM v1): while only decoding runs (nothing waiting or prefilling), up to
+`num_scheduler_steps` decode calls per step are chained on the device (each call's input tokens are
+the previous call's output, never read back first) and, with num_scheduler_steps > 1, the last call
+is left in flight when the step returns: the next quiet step dispatches its successor before it hands
+out its tokens, so the device never waits on the host's token handling between steps. A step with new
+work hands out the call in flight first. num_scheduler_steps=1 is synchronous (a step's tokens are out
+when it returns).
+
 Randomness is per request: each sequence has its own key (from `SamplingParams.seed`, or drawn from
 the engine's generator seeded by `EngineConfig.seed`), folded with the index of the token being
 drawn, so a seeded request gives the same tokens whatever else is running, and a preempted one is

@@ -27,7 +27,8 @@ class EngineConfig:
     wedge_timeout: float = 60.0          # a step running longer than this makes `health()` report wedged
     starvation_s: float = 2.0            # waiting longer than this jumps the adapter-grouping order
     min_chunk: int = 16                  # smallest prefill chunk bucket
-    num_scheduler_steps: int = 4         # decode calls per step when nothing waits (pipelined, Engine._run_decode)
+    num_scheduler_steps: int = 4         # decode calls per step when nothing waits (pipelined; > 1: the last stays
+                                         # in flight into the next quiet step, async scheduling; Engine._run_decode)
     warmup_logprobs: bool = False        # warmup() also compiles the log-probability variants (else: on first use)
     cpu_decode: str = "auto"             # CPU float32 base decode: "native" (one FFI call), "xla", "auto"
 
