@@ -4,6 +4,9 @@ import json
 
 from benchmarks import alora
 
+import pytest
+pytestmark = pytest.mark.slow        # a real server process / an end-to-end benchmark run
+
 
 def test_alora_benchmark_reuses_the_base_conversation(tmp_path, capsys):
     out = tmp_path / "alora.json"

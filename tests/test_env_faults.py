@@ -344,6 +344,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow            # a real server process per case (~16 s each)
 @pytest.mark.parametrize("warmup", ["background", "full"])
 def test_server_warmup_failure_is_retried_logged_once_and_in_health(tmp_path, warmup):
     """A warm-up task failing once is retried (one WARNING line), one failing twice is skipped (one

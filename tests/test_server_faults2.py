@@ -23,6 +23,8 @@ from preft_jax.adapters.peft_io import save_peft_lora
 from preft_jax.config import tiny_config
 from server_client import stream_completion
 
+pytestmark = pytest.mark.slow        # a real server process / an end-to-end benchmark run
+
 ADMIN = "admin-key-789"
 API = "api-key-012"
 CFG = tiny_config(max_seq_len=1024)          # what `--model tiny` builds
