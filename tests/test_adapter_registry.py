@@ -87,3 +87,23 @@ def test_prebuilt_bank_is_static_and_switches_mode():
     reg2 = AdapterRegistry.from_bank(CFG, build_bank(CFG, [with_policy(adapters[0], "all")]), ["x"], mode="all")
     reg2.set_mode("prefill")
     assert reg2.policy(_ref(reg2, "x")) == PositionPolicy()
+
+
+def test_unload_in_use_drains_then_the_last_release_unloads():
+    """DELETE's path without a server: an adapter held by a request drains (gone for new requests,
+    the holder keeps it), the last release unloads it and frees its slot; the name loads again."""
+    reg = _registry()
+    reg.load("a", random_lora(CFG, 1, targets=("q",)))
+    ref = reg.acquire("a")
+    with pytest.raises(AdapterInUseError):
+        reg.unload("a")                                  # without drain: refused while in use
+    assert reg.unload("a", drain=True) == "draining"
+    assert "a" not in reg and reg.draining() == {"a": 1}
+    with pytest.raises(UnknownAdapterError):
+        reg.acquire("a")                                 # new requests no longer find it
+    with pytest.raises(AdapterInUseError):
+        reg.load("a", random_lora(CFG, 2, targets=("q",)))   # still draining
+    reg.release(ref)
+    assert reg.draining() == {} and not any(reg.catalog.refs.values())
+    reg.load("a", random_lora(CFG, 2, targets=("q",)))   # unloaded: the name is free again
+    assert "a" in reg
