@@ -328,8 +328,9 @@ class StepRunner:
     def new_cache(self) -> PagedKVCache:
         """The paged KV pool, created in place on the mesh (never whole on one device first)."""
         cfg, nb, bs, dt = self.model.cfg, self.num_blocks, self.block_size, self.model.dtype
-        if self.mesh is None:
-            return PagedKVCache.create(cfg, nb, bs, dt)
+        if self.mesh is None:        # committed to its device, as every step's output pool is: warm-up
+            # then compiles the very programs serving calls (an uncommitted pool is another signature)
+            return jax.device_put(PagedKVCache.create(cfg, nb, bs, dt), jax.devices()[0])
         return jax.jit(lambda: PagedKVCache.create(cfg, nb, bs, dt), out_shardings=self.cache_shardings)()
 
     def cache_lost(self) -> bool:
