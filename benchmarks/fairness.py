@@ -49,7 +49,7 @@ def small_request(engine, vocab: int):
 def big_with_small(engine, big_prompts, sampling, n: int, vocab: int) -> dict:
     t0 = time.perf_counter()
     big = []
-    for i, p in enumerate(big_prompts):
+    for p in big_prompts:
         big += engine.submit_n(p, None, sampling, n, group="big")
     engine.step()
     small = small_request(engine, vocab)

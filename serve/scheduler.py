@@ -308,7 +308,7 @@ class Scheduler:
                 continue
             prefill.append(chunk)
             budget -= chunk.length
-            share[seq.req.group] += 1 + (1 if new else 0) * len(seq.forks)
+            share[seq.req.group] += 1 + (len(seq.forks) if new else 0)   # an admitted prompt's forks hold rows too
         return StepPlan(decode, prefill, preempted, self._copies)
 
     def _private_block(self, seq: Sequence, preempted: list) -> bool:

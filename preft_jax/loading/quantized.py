@@ -28,10 +28,10 @@ def direct_tensors(path: str | os.PathLike, cfg, config, names) -> dict:
     """{canonical name: (mode, (values, scales))} of the params in `names` that the GGUF file at
     `path` stores in the block type `config` quantizes them to (`quant.direct_types`)."""
     from preft_jax.loading.gguf_loader import read_direct
-    by_type: dict[str, list] = {}
-    for name, (mode, block) in quant.direct_types(config, names).items():
-        by_type.setdefault(block, []).append(name)
     modes = quant.direct_types(config, names)
+    by_type: dict[str, list] = {}
+    for name, (_, block) in modes.items():
+        by_type.setdefault(block, []).append(name)
     out = {}
     for block, wanted in by_type.items():
         out.update({n: (modes[n][0], v) for n, v in read_direct(path, cfg, block, wanted).items()})
