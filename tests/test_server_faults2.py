@@ -303,11 +303,13 @@ def test_sigterm_drains_with_health_503_until_exit(tmp_path):
     """SIGTERM with streams running: /health answers 503 "shutting_down" (never connection refused)
     and new requests 503 until the streams have finished; then the process exits cleanly."""
     srv = ServerProcess(["--model", "tiny", "--warmup", "none", "--max-num-seqs", "4", "--max-model-len", "1024",
-                         "--max-num-batched-tokens", "64", "--block-size", "64", "--shutdown-grace", "60",
+                         "--max-num-batched-tokens", "64", "--block-size", "64", "--shutdown-grace", "120",
                          "--log-level", "info"], tmp_path / "server.log")
     try:
         _stream(srv.url, "tiny", "warm", 8)
-        body = {"model": "tiny", "prompt": "p", "max_tokens": 1000, "temperature": 0, "stream": True}
+        # 3 requests x n=4 sequences x 1000 tokens on 4 decode rows: three waves to drain (the tiny model
+        # decodes 1000 tokens in about a second)
+        body = {"model": "tiny", "prompt": "p", "max_tokens": 1000, "n": 4, "temperature": 0, "stream": True}
         finishes, started = [], [threading.Event() for _ in range(3)]
 
         def stream(ev):
@@ -325,16 +327,24 @@ def test_sigterm_drains_with_health_503_until_exit(tmp_path):
             assert ev.wait(120)
         srv.signal(signal.SIGTERM)
         seen = []
-        while not finishes:                  # the engine drains until the streams end: no refused connection
-            h = httpx.get(f"{srv.url}/health", timeout=10)
+        # the engine drains until the streams end: no refused connection (the loop runs while ANY stream
+        # runs: under load the three streams start seconds apart, so one may end before the last starts)
+        while any(t.is_alive() for t in threads) and len(finishes) < 12:
+            try:
+                h = httpx.get(f"{srv.url}/health", timeout=10)
+                r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+            except httpx.TransportError:     # refused only once every stream has ended (the process exits then)
+                for t in threads:
+                    t.join(timeout=30)
+                assert len(finishes) == 12, (seen, finishes)
+                break
             seen.append(h.status_code)
             assert h.status_code == 503 and h.json()["status"] == "shutting_down", h.text
-            r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
             time.sleep(0.05)
         for t in threads:
             t.join()
-        assert len(seen) >= 3 and finishes.count("length") == 3, (seen, finishes)
+        assert len(seen) >= 3 and finishes.count("length") == 12, (seen, finishes)
         assert srv.proc.wait(timeout=60) in (0, -signal.SIGTERM)
         log = srv.log_text()
         assert "received SIGTERM: draining" in log and "Traceback" not in log, log[-3000:]
