@@ -34,6 +34,7 @@ def test_step_profile_runs_on_the_tiny_model(capsys):
     assert rows and all(float(r.split("|")[2]) >= 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_step_profile_times_a_preft_engine_beside_base(tmp_path, capsys):
     cfg = tiny_config(max_seq_len=2048)                                   # load_runner("tiny")'s config
     for i in range(3):

@@ -527,6 +527,7 @@ def test_every_flag_has_help_and_shows_its_default(prog):
             assert "default" in parser._get_formatter()._get_help_string(action), action.option_strings
 
 
+@pytest.mark.slow
 def test_help_names_the_python_m_form_and_the_console_scripts():
     r = _run(["-m", "train.sft", "--help"], _env())
     _no_crash(r)

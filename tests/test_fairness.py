@@ -74,6 +74,7 @@ def test_prompt_logprobs_several_positions_per_matmul_equal_float64(runner, monk
         == plain.result.tokens
 
 
+@pytest.mark.slow
 def test_small_request_is_served_while_a_big_one_runs(runner):
     """A big request (6 prompts of 60 ids, echo + logprobs, one group) then, one step later, a 2-token
     request: the small one is admitted at once and finishes within a few steps, long before the big

@@ -117,6 +117,7 @@ def _check_against_full_recompute(mode, chunk_sizes):
     assert np.abs(base[got[1][-1][0]] - got[1][-1][1]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_paged_chunks_with_activated_rows_match_full_recompute():
     """Activated (aLoRA) rows beside PreFT and base rows: each row's activation start travels with it
     through prefill chunks at any offset and decode rows (adapter on generated tokens, PreFT on base)."""

@@ -117,6 +117,7 @@ def test_block_aligned_prompt_and_preemption_give_the_same_tokens(runner):
     assert [r.result.tokens for r in reqs] == roomy
 
 
+@pytest.mark.slow
 def test_seeded_request_ignores_its_batch_mates(runner):
     sp = _sp(10, seed=3)
     alone = _run_n(_engine(runner), PROMPT, sp, 1)[0].result.tokens

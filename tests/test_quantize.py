@@ -181,6 +181,7 @@ def test_embeddings_can_stay_float():
 
 
 # ------------------------------------------------------------------------------- the engine and CLIs
+@pytest.mark.slow
 def test_engine_quantized_runs_on_xla_with_a_reason():
     from serve.engine import Engine, EngineConfig
     from serve.registry import AdapterRegistry
@@ -207,6 +208,7 @@ def test_engine_quantized_runs_on_xla_with_a_reason():
     assert outs[0] == outs[1]
 
 
+@pytest.mark.slow
 def test_serve_generate_quantize_flag():
     from test_serve_cli import run_cli
     for mode in ("int8", "int4"):
@@ -242,6 +244,7 @@ def test_train_quantize_flag():
 
 
 # ------------------------------------------------------------------------------------------ QLoRA
+@pytest.mark.slow
 def test_qlora_trains_only_the_adapter():
     from train.config import AdapterSpec, OptimizerConfig
     from train.data import Tokenized
@@ -305,6 +308,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_sharded_quantized_weights_on_8_fake_devices():
     r = run_on_fake_devices(SHARDED_SCRIPT, 8)
     for name, res in r.items():

@@ -25,6 +25,7 @@ def test_generate_real_model(default_gguf_path):
     assert "Paris" in r.stdout
 
 
+@pytest.mark.slow
 def test_bad_adapter_folder_exits_2(tmp_path):
     missing = tmp_path / "missing"
     r = run_cli("generate", "--prompt", "hi", "--adapter", f"a={missing}", "--use", "a")

@@ -252,6 +252,7 @@ def test_metrics_and_health_words_and_per_app_registry(stack):
     assert not any(name.startswith("preft_") for name in REGISTRY._names_to_collectors)   # never the global one
 
 
+@pytest.mark.slow
 def test_real_model_chat_and_completion(default_model):
     """SmolLM2-135M + its real tokenizer behind the server: greedy chat == ModelRunner.generate alone."""
     cfg, params, tok = default_model

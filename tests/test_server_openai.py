@@ -154,6 +154,7 @@ def test_a_list_of_prompts_equals_individual_requests(client):
     assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
 
 
+@pytest.mark.slow
 def test_streaming_equals_non_streaming(client):
     kw = dict(model="tiny", prompt=["one two", "three"], max_tokens=8, temperature=1.1, n=2, seed=21, echo=True,
               logprobs=2)
