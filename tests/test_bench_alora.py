@@ -2,10 +2,11 @@
 (each adapter's request prefills only its invocation), the all-token burst reuses none."""
 import json
 
+import pytest
+
 from benchmarks import alora
 
-import pytest
-pytestmark = pytest.mark.slow        # a real server process / an end-to-end benchmark run
+pytestmark = pytest.mark.slow        # an end-to-end benchmark run
 
 
 def test_alora_benchmark_reuses_the_base_conversation(tmp_path, capsys):
