@@ -38,10 +38,11 @@ def hf_missing_reason(*names: str) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """A test using the `hf_reference` fixture is an hf_reference test, marked or not (so that
+    """A test using the `hf_reference` / `hf_tokenizer` fixture is an hf_reference test, marked or not (so that
     `-m "not hf_reference"` deselects it)."""
     for item in items:
-        if "hf_reference" in getattr(item, "fixturenames", ()) and item.get_closest_marker("hf_reference") is None:
+        uses_hf = {"hf_reference", "hf_tokenizer"} & set(getattr(item, "fixturenames", ()))
+        if uses_hf and item.get_closest_marker("hf_reference") is None:
             item.add_marker(pytest.mark.hf_reference)
 
 
@@ -54,18 +55,25 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(scope="session")
-def hf_reference(default_gguf_path):
-    """(transformers model in float32, HF tokenizer) loaded from the same GGUF file."""
+def hf_tokenizer(default_gguf_path):
+    """The HF tokenizer loaded from the GGUF file (~4 s; tokenizer tests need no HF model, ~13 s more)."""
     reason = hf_missing_reason(*HF_REFERENCE_MODULES)
     if reason:
         pytest.skip(reason)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     folder, name = os.path.split(default_gguf_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_gguf_path, hf_tokenizer):
+    """(transformers model in float32, HF tokenizer) loaded from the same GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    folder, name = os.path.split(default_gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.eval()
-    return model, tok
+    return model, hf_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -42,8 +42,8 @@ def tok(default_model) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_tok(hf_reference):
-    return hf_reference[1]
+def hf_tok(hf_tokenizer):
+    return hf_tokenizer
 
 
 @pytest.fixture(scope="module")
