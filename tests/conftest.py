@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
+import re
 
 import pytest
 
@@ -14,6 +16,15 @@ if "PREFT_JAX_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["PREFT_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="preft_jax_test_cache_")
     atexit.register(shutil.rmtree, os.environ["PREFT_JAX_CACHE_DIR"], True)
+# JAX's persistent compilation cache, shared by the run's processes (pytest-xdist workers and the
+# servers / CLIs the tests start inherit PREFT_JAX_CACHE_DIR): a program compiled by one test module is
+# loaded, not recompiled, by the next module (after its `jax.clear_caches()`), by another engine instance
+# or by the other worker. PREFT_JAX_TEST_XLA_CACHE=DIR keeps it in DIR across runs (the inner loop's
+# second run recompiles almost nothing); =off turns it off.
+_xla_cache = os.environ.get("PREFT_JAX_TEST_XLA_CACHE", "")
+if _xla_cache.lower() != "off":
+    from preft_jax.cache.compilation import enable_compilation_cache
+    enable_compilation_cache(_xla_cache or os.path.join(os.environ["PREFT_JAX_CACHE_DIR"], "jax"))
 
 
 def _default_gguf_or_skip() -> str:
@@ -105,3 +116,30 @@ def cpu_decode(request) -> str:
         if not cpu.available():
             pytest.skip(f"native CPU decode unavailable: {cpu.unavailable_reason()}")
     return request.param
+
+
+# pytest-xdist (`-n auto --dist loadfile`, pyproject.toml): the test files whose tests take the session
+# `hf_reference` fixture (the HF model converted from the GGUF, ~13 s on an idle core) form one work
+# unit, so one worker builds it instead of each. Found by reading the files, so a new such file joins.
+_HF_MODEL_TEST = re.compile(r"def test_\w+\([^)]*\bhf_reference\b")
+
+
+def _hf_model_files() -> frozenset[str]:
+    here = pathlib.Path(__file__).parent
+    return frozenset(str(f.relative_to(here.parent)) for f in here.rglob("test_*.py")
+                     if _HF_MODEL_TEST.search(f.read_text(encoding="utf-8")))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+    hf_files = _hf_model_files()
+
+    class HFGroupedFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "hf_reference-files" if file in hf_files else file
+
+    return HFGroupedFileScheduling(config, log)
