@@ -335,6 +335,9 @@ def _stream(ckpt: HFCheckpoint, name: str, sharding, dtype, jax):
         host = ckpt.read(name, tuple(slice(a, b) for a, b in key), dtype)
         for d in devices:
             shards[d] = jax.device_put(host, d)
+        # device_put is asynchronous: wait for the copies before dropping the host slice, or a busy
+        # host lets several slices pile up (the bound above is one slice in flight)
+        jax.block_until_ready([shards[d] for d in devices])
         del host
     arrays = [shards[d] for d in sharding.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
