@@ -194,6 +194,15 @@ class HostEntry:
     path: str | None
     update: dict | None = None                  # the bank slot arrays (preft_jax.adapters.bank.slot_update)
     policy: PositionPolicy | None = None        # the serving policy (weights.config.policy)
+    _done: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def done_future(self) -> concurrent.futures.Future:
+        """A completed future of this entry, made once (`prepare` on a loaded adapter, per request)."""
+        if self._done is None:
+            f = concurrent.futures.Future()
+            f.set_result(self)
+            self._done = f
+        return self._done
 
 
 @dataclasses.dataclass(eq=False)
@@ -498,9 +507,7 @@ class AdapterCatalog:
             entry = self._current_locked(name)
             if entry is not None:
                 self.stats.host_hits += 1
-                f = concurrent.futures.Future()
-                f.set_result(entry)
-                return f
+                return entry.done_future()
             if name in self._loading:
                 return self._loading[name]
             src = self._source(name)

@@ -48,6 +48,7 @@ class AdapterSlots:
         self.layout = None if bank is None else BankLayout.of(bank)
         self._lock = threading.Lock()
         self._slots = [_Slot() for _ in range(self.capacity + 1)]       # index 0 unused (base)
+        self._where: dict[tuple, int] = {}                             # key -> the slot holding it
         self._tick = 0
         self._shardings = None                                         # set by `place` (a sharded engine)
         self._writer = slot_writer()
@@ -70,7 +71,9 @@ class AdapterSlots:
     def mark_static(self, slot: int, key: tuple) -> None:
         """Slot `slot` of a prebuilt bank holds `key` for good (never evicted)."""
         with self._lock:
-            self._slots[slot] = _Slot(key=key, static=True)
+            self._set_key(slot, None)
+            self._slots[slot] = _Slot(static=True)
+            self._set_key(slot, key)
 
     def set_mode(self, mode: str) -> None:
         """A prebuilt bank switches its per-slot policy arrays; other slots are emptied (their
@@ -81,15 +84,15 @@ class AdapterSlots:
             if any(s.static for s in self._slots[1:]):
                 self._set_bank(dataclasses.replace(self.bank, policy=serving_table(self.bank.policy, mode)))
                 return
-            for s in self._slots[1:]:
-                s.key = None
+            for i in range(1, len(self._slots)):
+                self._set_key(i, None)
 
     def forget(self, name: str) -> None:
         """Unpinned slots holding any version of `name` are emptied (an unloaded adapter)."""
         with self._lock:
-            for s in self._slots[1:]:
-                if s.key is not None and s.key[0] == name and not s.pins and not s.static:
-                    s.key = None
+            for i, s in enumerate(self._slots):
+                if i and s.key is not None and s.key[0] == name and not s.pins and not s.static:
+                    self._set_key(i, None)
 
     def place(self, shardings) -> None:
         """Places the bank by `shardings` (a NamedSharding tree of the bank, from
@@ -100,6 +103,15 @@ class AdapterSlots:
             self._shardings = shardings
             self.bank = jax.device_put(self.bank, shardings)
             self._writer = slot_writer(shardings)
+
+    def _set_key(self, slot: int, key: tuple | None) -> None:
+        """Slot `slot` holds `key` (None: nothing); the one writer of `_Slot.key` and its index. Lock held."""
+        old = self._slots[slot].key
+        if old is not None and self._where.get(old) == slot:
+            del self._where[old]
+        self._slots[slot].key = key
+        if key is not None:
+            self._where[key] = slot
 
     def _set_bank(self, bank: AdapterBank) -> None:
         self.bank = bank if self._shardings is None else jax.device_put(bank, self._shardings)
@@ -115,7 +127,7 @@ class AdapterSlots:
         key = (entry.name, entry.digest)
         with self._lock:
             self._tick += 1
-            slot = next((i for i, s in enumerate(self._slots) if i and s.key == key), None)
+            slot = self._where.get(key)
             if slot is not None:
                 self.stats.device_hits += 1
             else:
@@ -127,9 +139,9 @@ class AdapterSlots:
                 if not empty:
                     self.stats.device_evictions += 1
                 self.stats.device_misses += 1
-                self._slots[slot].key = None
+                self._set_key(slot, None)
                 self.bank = write_slot(self.bank, slot, entry.update, self._writer)
-                self._slots[slot].key = key
+                self._set_key(slot, key)
             s = self._slots[slot]
             s.pins += 1
             s.last_used = self._tick
@@ -150,7 +162,7 @@ class AdapterSlots:
     def resident(self, ref: AdapterRef) -> bool:
         e = ref.entry
         with self._lock:
-            return e is not None and any(s.key == (e.name, e.digest) for s in self._slots[1:])
+            return e is not None and (e.name, e.digest) in self._where
 
     def occupancy(self) -> dict:
         with self._lock:

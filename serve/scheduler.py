@@ -330,11 +330,16 @@ class Scheduler:
 
     def _admission_order(self, adapter_ready) -> list[Sequence]:
         now = time.monotonic()
-        ready = [s for s in self.waiting if not s.req.finished and adapter_ready(s)]
-        starving = [s for s in ready if now - s.arrived > self.config.starvation_s]
-        rest = [s for s in ready if s not in starving]
-        resident = [s for s in rest if s.ref is None or self.registry.resident(s.ref)]
-        others = [s for s in rest if s not in resident]
+        starving, resident, others = [], [], []          # one pass, arrival order kept in each
+        for s in self.waiting:
+            if s.req.finished or not adapter_ready(s):
+                continue
+            if now - s.arrived > self.config.starvation_s:
+                starving.append(s)
+            elif s.ref is None or s.ref.slot or self.registry.resident(s.ref):
+                resident.append(s)
+            else:
+                others.append(s)
         return starving + resident + others
 
     def _admit(self, seq: Sequence) -> bool:

@@ -72,6 +72,54 @@ def test_adapter_slots_pin_lru_and_unload():
         reg.acquire("b")
 
 
+def test_residency_index_agrees_with_the_slots_under_random_pins_unloads_and_mode_switches():
+    """`resident` (a key -> slot index, O(1) per waiting request and step) equals a scan of the slots'
+    keys after every operation of a random sequence of pins, unpins, reloads with new weights, unloads
+    and mode switches; pin hits go by the index too, so a stale entry would pin the wrong weights."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    reg = _registry(capacity=3)
+    slots = reg.slots
+    names, held, version = list("abcdef"), [], {}
+    for n in names:
+        version[n] = 0
+        reg.load(n, random_lora(CFG, ord(n), targets=("q",)))
+
+    def scan(ref):
+        e = ref.entry
+        return any(s.key == (e.name, e.digest) for s in slots._slots[1:])
+
+    for step in range(300):
+        op = rng.integers(6)
+        if op <= 1:                                                   # a request pins its adapter
+            ref = _ref(reg, names[rng.integers(len(names))])
+            try:
+                slot = reg.pin(ref)
+                assert slots._slots[slot].key == (ref.entry.name, ref.entry.digest)
+                held.append(ref)
+            except NoDeviceSlot:
+                reg.release(ref)
+        elif op == 2 and held:                                       # a request ends
+            ref = held.pop(rng.integers(len(held)))
+            reg.unpin(ref)
+            reg.release(ref)
+        elif op == 3:                                                # new weights under a name not in use
+            n = names[rng.integers(len(names))]
+            if reg.in_use(n) == 0:
+                reg.unload(n)
+                version[n] += 1
+                reg.load(n, random_lora(CFG, 1000 * version[n] + ord(n), targets=("q",)))
+        elif op == 4:
+            slots.set_mode("all" if step % 2 else "prefill")
+        probes = [_ref(reg, n) for n in names] + held
+        for ref in probes:
+            assert reg.resident(ref) == scan(ref), (step, ref.name)
+        for ref in probes[:len(names)]:
+            reg.release(ref)
+    assert set(slots._where.values()) <= set(range(1, 4))
+    assert {k: i for i, s in enumerate(slots._slots) if i and (k := s.key) is not None} == slots._where
+
+
 def test_prebuilt_bank_is_static_and_switches_mode():
     window = PositionPolicy(last_k=3)
     adapters = [random_lora(CFG, 1, targets=("q",), policy=window), random_lora(CFG, 2, targets=("q",))]

@@ -262,7 +262,7 @@ def write_slot(bank: AdapterBank, slot: int, update: dict, writer=None) -> Adapt
     (default: the donating `slot_writer()`, so `bank` must not be used afterwards)."""
     if not 0 < slot < bank.n_slots:
         raise ValueError(f"slot {slot} out of range 1..{bank.n_slots - 1} (slot 0 is the base model)")
-    return (writer or slot_writer())(bank, jnp.int32(slot), update)
+    return (writer or slot_writer())(bank, np.int32(slot), update)     # a host scalar: no device op
 
 
 def set_slot(bank: AdapterBank, slot: int, weights: LoraWeights | ReftWeights | None) -> AdapterBank:
