@@ -47,7 +47,7 @@ def _compare(lp32, lp16):
     return d[lp32 > -10].max(), kl, (lp32.argmax(-1) == lp16.argmax(-1)).mean()
 
 
-@pytest.mark.parametrize("backend", ["jnp", "xla"])
+@pytest.mark.parametrize("backend", ["jnp", pytest.param("xla", marks=pytest.mark.slow)])   # fast loop: jnp
 def test_tiny_bf16_with_adapters_close_to_float32(backend):
     cfg = tiny_config(n_layers=2)
     params = random_params(cfg, seed=0)
