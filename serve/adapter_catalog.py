@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -194,15 +195,13 @@ class HostEntry:
     path: str | None
     update: dict | None = None                  # the bank slot arrays (preft_jax.adapters.bank.slot_update)
     policy: PositionPolicy | None = None        # the serving policy (weights.config.policy)
-    _done: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False, compare=False)
 
+    @functools.cached_property
     def done_future(self) -> concurrent.futures.Future:
         """A completed future of this entry, made once (`prepare` on a loaded adapter, per request)."""
-        if self._done is None:
-            f = concurrent.futures.Future()
-            f.set_result(self)
-            self._done = f
-        return self._done
+        f = concurrent.futures.Future()
+        f.set_result(self)
+        return f
 
 
 @dataclasses.dataclass(eq=False)
@@ -507,7 +506,7 @@ class AdapterCatalog:
             entry = self._current_locked(name)
             if entry is not None:
                 self.stats.host_hits += 1
-                return entry.done_future()
+                return entry.done_future
             if name in self._loading:
                 return self._loading[name]
             src = self._source(name)

@@ -1,6 +1,7 @@
 """The adapter registry's two parts without an engine: the catalog (names, references, versions and
 the identity the prefix cache keys on) and the adapter slots (pinning, LRU eviction, static banks,
 mode switches). Bank contents are checked against a float64 recompute in tests/test_bank_writer.py."""
+import numpy as np
 import pytest
 
 from adapter_factory import random_lora, random_reft
@@ -76,7 +77,6 @@ def test_residency_index_agrees_with_the_slots_under_random_pins_unloads_and_mod
     """`resident` (a key -> slot index, O(1) per waiting request and step) equals a scan of the slots'
     keys after every operation of a random sequence of pins, unpins, reloads with new weights, unloads
     and mode switches; pin hits go by the index too, so a stale entry would pin the wrong weights."""
-    import numpy as np
     rng = np.random.default_rng(0)
     reg = _registry(capacity=3)
     slots = reg.slots
