@@ -7,7 +7,9 @@ Per step (`schedule()`):
    request is lost, duplicated or corrupted);
 2. the rest of `max_num_batched_tokens` goes to prefill chunks: sequences already prefilling
    continue, then waiting sequences are admitted while rows, blocks and device adapter slots last.
-   Long prompts are cut into chunks, so decode keeps running while they are admitted.
+   Long prompts are cut into chunks, so decode keeps running while they are admitted. A step that
+   would plan nothing while sequences run (all prefilling, none with a block for its next chunk)
+   preempts the newest, so sequences that hold each other's blocks never wait for ever.
 
 Admission order: requests that have waited longer than `starvation_s` first (FCFS), then requests
 whose adapter is already on the device (or the base model), then the others - grouping prefills by
@@ -269,33 +271,38 @@ class Scheduler:
         self._copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
         decode: list[Sequence] = []
+        gone: set[int] = set()                    # ids of the sequences preempted by this loop
         for seq in list(self.running):
-            if seq.status != DECODE or seq not in self.running:
+            if seq.status != DECODE or id(seq) in gone:
                 continue
             while not self.grow(seq, seq.num_computed + 1):
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted.append(victim)
+                gone.add(id(victim))
                 if victim is seq:
                     break
-            if seq in self.running and self._private_block(seq, preempted):
+            if id(seq) not in gone and self._private_block(seq, preempted):
                 decode.append(seq)
+            gone.update(id(v) for v in preempted)
         budget -= len(decode)
         prefill: list[Chunk] = []
         continuing = [s for s in self.running if s.status == PREFILL]
         candidates = [(s, False) for s in continuing] + [(s, True) for s in self._admission_order(adapter_ready)]
         share = collections.Counter(s.req.group for s in self.running)   # rows each client request holds
         admitting, blocked = True, False
+        reserved = self.rows_reserved()           # kept up to date below (not recounted per admission)
         while candidates and budget > 0 and len(prefill) < c.max_prefill_seqs:
             i = fair_pick(candidates, share)
             seq, new = candidates.pop(i)
             if new:
-                if not admitting or self.rows_reserved() + 1 + len(seq.forks) > c.max_num_seqs:
+                if not admitting or reserved + 1 + len(seq.forks) > c.max_num_seqs:
                     admitting = False             # FCFS between the requests that wait: none jumps this one
                     continue
                 if not self._admit(seq):
                     admitting = False
                     continue
+                reserved += 1 + len(seq.forks)
             elif blocked:
                 continue
             chunk = self._chunk(seq, budget)
@@ -309,6 +316,14 @@ class Scheduler:
             prefill.append(chunk)
             budget -= chunk.length
             share[seq.req.group] += 1 + (len(seq.forks) if new else 0)   # an admitted prompt's forks hold rows too
+        if not decode and not prefill and self.running:
+            # Nothing can move: every running sequence is prefilling and the pool has no block for the
+            # next chunk of the first of them (the others wait behind it, FCFS), e.g. two recomputes
+            # after preemptions each holding what the other needs. Only decode growth preempted
+            # before, so this state lasted forever; now the newest gives its blocks back (recompute).
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
         return StepPlan(decode, prefill, preempted, self._copies)
 
     def _private_block(self, seq: Sequence, preempted: list) -> bool:

@@ -51,3 +51,38 @@ def test_hashes_chain_and_adapter_taint():
     # a changed prefix changes every later hash (the identity's own tests: tests/test_adapter_registry.py)
     assert block_hashes([99] + toks[1:], 4, 1 << 62, None)[2] != base[2]
     assert first_adapted_position(None, toks) > 12
+
+
+def test_prefilling_sequences_that_hold_each_others_blocks_do_not_deadlock():
+    """Two recomputes (after preemptions) prefilling at once, each holding blocks the other needs and
+    the pool empty: the scheduler preempts the newest (it used to plan nothing, forever: only decode
+    growth preempted). Every sequence then finishes its prompt, oldest first."""
+    from preft_jax.config import tiny_config
+    from preft_jax.sampling import SamplingParams
+    from serve.registry import AdapterRegistry
+    from serve.request import Request
+    from serve.scheduler import DECODE, PREFILL, Scheduler, SchedulerConfig, Sequence
+
+    pool = BlockPool(12, 4, enable_prefix_cache=False)              # 11 usable blocks
+    sched = Scheduler(SchedulerConfig(4, 16, 2, 64, 4), pool, AdapterRegistry(tiny_config(), 0))
+    seqs = []
+    for i, (n, done, blocks) in enumerate([(33, 28, 7), (19, 16, 4)]):
+        req = Request(f"r{i}", list(range(n)), None, SamplingParams(max_new_tokens=8), (-1,), ())
+        s = Sequence(req, list(range(n)), n, status=PREFILL, num_computed=done, admitted_at=i + 1)
+        s.blocks = pool.allocate_many(blocks)
+        sched.running.append(s)
+        seqs.append(s)
+    assert pool.num_available == 0
+    for _ in range(20):
+        plan = sched.schedule(lambda s: True)
+        assert plan.prefill or plan.preempted or plan.decode, "a step that plans nothing stalls for ever"
+        for ch in plan.prefill:
+            ch.seq.num_computed += ch.length
+            if ch.completes_prompt:
+                sched.prefill_done(ch.seq)
+        for s in list(plan.decode):                                   # finished after its first token
+            sched.remove(s)
+        if all(s.status == DECODE or s not in sched.running and s not in sched.waiting for s in seqs):
+            break
+    assert seqs[0].status == DECODE and seqs[0].preemptions == 0      # the oldest never gave way
+    assert seqs[1].preemptions == 1
