@@ -22,6 +22,10 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native CPU decode 
                                                             f"{cpu.unavailable_reason()}")
 CFG = tiny_config()
 BIASED = tiny_config(qkv_bias=True, tie_embeddings=False, vocab_size=250, ffn_dim=100)
+# wide enough that the step's GEMMs and attention split across threads (decode.cc ThreadsFor: one
+# thread per 2 MFLOP): the other configs run every region on one thread
+WIDE = tiny_config(d_model=256, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=512, vocab_size=3000, n_layers=2,
+                   max_seq_len=512)
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 7, 5), (5, 64, 48), (8, 33, 97), (13, 100, 200), (32, 64, 1000)])
@@ -71,13 +75,14 @@ def _random_step(cfg, rng, R=11, NB=30, BS=4, nb=6):
     return jnp.asarray(tokens), PagedBatch(jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(clen), jnp.asarray(widx)), cache
 
 
-@pytest.mark.parametrize("cfg", [CFG, BIASED], ids=["tied", "bias-untied-odd-dims"])
-def test_decode_step_matches_xla_paged_path(cfg):
+@pytest.mark.parametrize("cfg,shape", [(CFG, {}), (BIASED, {}), (WIDE, dict(R=40, NB=300, BS=16, nb=24))],
+                         ids=["tied", "bias-untied-odd-dims", "wide-threaded"])
+def test_decode_step_matches_xla_paged_path(cfg, shape):
     model, _ = _model(cfg)
     runner = ModelRunner(model)
     native = native_decode.pack(model)
     rng = np.random.default_rng(0)
-    tokens, batch, cache = _random_step(cfg, rng)
+    tokens, batch, cache = _random_step(cfg, rng, **shape)
     copy = jax.tree.map(jnp.copy, cache)
     want, want_cache = paged_logits(runner.graphdef, runner.state, tokens, batch, copy)
     got, greedy, got_cache = jax.jit(lambda t, b, c: native_decode.decode_logits(model, native, t, b, c))(

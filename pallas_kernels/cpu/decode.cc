@@ -66,6 +66,18 @@ inline void Tile(const float* A, int64_t lda, const float* panel, int64_t K, flo
   }
 }
 
+// Threads for a parallel region of `flops` floating-point operations: one per kParallelFlops, at
+// least one, at most omp_get_max_threads(). A fork-join costs microseconds, and every barrier waits
+// for its slowest thread: on a machine whose cores also run the serving engine's host thread, a
+// region split thinner than that ran slower than on one thread and stalled whenever the host ran
+// (the tiny model's 64-row step: ~1.0-1.2 ms on two threads, ~0.7 ms on one, which then overlaps
+// the host's work on the other core). Each output element is computed by one thread in the same
+// order whatever the count, so results do not depend on it.
+constexpr int64_t kParallelFlops = int64_t{1} << 21;
+int ThreadsFor(int64_t flops) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(flops / kParallelFlops, omp_get_max_threads())));
+}
+
 // A packed weight matrix [P, K, 48] holding N columns.
 struct Packed {
   const float* w = nullptr;
@@ -80,7 +92,7 @@ struct Packed {
 void Gemm(const float* A, int64_t M, Packed W, float* C, bool accumulate, Packed next = Packed()) {
   const int64_t P = W.panels(), K = W.K, N = W.N;
   const int64_t tiles = std::min<int64_t>((M + kMR - 1) / kMR, 4);   // tiles that prefetch
-#pragma omp parallel
+#pragma omp parallel num_threads(ThreadsFor(2 * M * K * N))
   {
     const int64_t T = omp_get_num_threads(), th = omp_get_thread_num();
     const int64_t p0 = P * th / T, p1 = P * (th + 1) / T;
@@ -372,6 +384,9 @@ ffi::Error DecodeStep(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_ta
     }
   const float scale = 1.0f / std::sqrt(static_cast<float>(D.hd));
   const int64_t max_ctx = D.nb * D.bs + 1;
+  int64_t attended = 0;                                   // (row, context token) pairs, this step
+  for (int64_t r = 0; r < M; ++r) attended += clen[r] ? ctx[r] + 1 : 0;
+  const int attn_threads = ThreadsFor(4 * attended * D.H * D.hd);   // QK^T and PV, per layer
 
   auto Wqkv = [&](int64_t l) { return Packed{w_qkv.typed_data() + l * qd[1] * d * kNR, d, D.nqkv}; };
   auto Wo = [&](int64_t l) { return Packed{w_o.typed_data() + l * od[1] * qdim * kNR, qdim, d}; };
@@ -390,7 +405,7 @@ ffi::Error DecodeStep(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_ta
       for (int64_t hh = 0; hh < D.H + D.KV; ++hh) Rope(row + hh * D.hd, &cs[r * half], &sn[r * half], half);
     }
     const int64_t layer_off = l * D.KV * pool_tokens * D.hd;      // pool [L, KV, NB * bs, hd]
-#pragma omp parallel
+#pragma omp parallel num_threads(attn_threads)
     {
       std::vector<float> s(groups * (max_ctx + 16));
       std::vector<const float*> keys(max_ctx), vals(max_ctx);
@@ -454,7 +469,7 @@ ffi::Error DecodeStep(ffi::Buffer<ffi::F32> h_in, ffi::Buffer<ffi::S32> block_ta
   float* out = logits->typed_data();
   Gemm(x.data(), M, Whead, out, false);
   int32_t* best = greedy->typed_data();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ThreadsFor(M * V))
   for (int64_t r = 0; r < M; ++r) {
     best[r] = static_cast<int32_t>(ArgMax(out + r * V, V));
   }
