@@ -1,11 +1,11 @@
 """Engine overhead (issue 12.2): engine tok/s vs a bare loop of the jitted step at the same shapes.
 
-    python -m benchmarks.bare_loop [--bench-dir /work/bench_data] [--repeats 3] [--json F]
+    python -m benchmarks.bare_loop [--bench-dir /work/bench_data] [--repeats 5] [--json F]
     python -m benchmarks.bare_loop --model tiny --rows 64       # host overhead per step, tiny model
 
 Workload: 32 requests (`--rows`: the decode rows, one per request) x 16 random prompt tokens -> 32
-greedy tokens, all submitted at once (the vLLM-peer workload, benchmarks/peer.py). Each engine
-run records every jitted step call the engine makes (`StepRunner.add_call_hook`: each call object,
+greedy tokens, all submitted at once (the vLLM-peer workload, benchmarks/peer.py), `--bursts` (8)
+rounds of it back to back per repeat. Each engine run records every jitted step call the engine makes (`StepRunner.add_call_hook`: each call object,
 its arguments already on the device). The bare loop then replays exactly those calls back to back
 (`StepRunner.run_on`) - the same shapes, the same number of calls, inputs already on the device,
 one final `block_until_ready` - with no scheduler, no block tables built, no token handling: the
@@ -13,9 +13,10 @@ device time the engine cannot go below. Ratio = engine tok/s / bare
 tok/s (same tokens), per repeat, recorded and replayed in the same repeat.
 
 Variants (round-robin): base and PreFT-LoRA (8 PEFT LoRA folders, rank 16 q/k/v/o, mode prefill),
-each with num_scheduler_steps 4 (the default: pipelined multi-step decode) and 1. PreFT-LoRA runs
+each with num_scheduler_steps 4 (the default: pipelined decode calls) and 1, and with
+decode_steps_per_call 4 (`--fused`: four decode steps fused in each pipelined call). PreFT-LoRA runs
 when its adapter folders exist (`--adapter-dir`, default <bench-dir>/adapters/r16_qkvo for the
-default model; none for `--model`). "host us per call" = (engine wall - bare wall) / device calls:
+default model; none for `--model`). "host us per call" = (engine wall - bare wall) / device calls (all bursts):
 the engine's host work per step that the device did not hide. The last line is the first variant's
 (base, the first `--steps` value: 4 by default) median engine / bare ratio, its last number.
 """
@@ -33,7 +34,7 @@ import numpy as np
 from benchmarks.common import header, load_runner, log, random_prompts, round_robin, serve, spread, stats, write_json
 
 
-def make_engine(runner, adapter_dir, steps, args):
+def make_engine(runner, adapter_dir, steps, args, fused: int = 1):
     from serve.engine import Engine, EngineConfig
     from serve.registry import AdapterRegistry
     reg = AdapterRegistry(runner.cfg, args.n_adapters if adapter_dir else 0, lora_targets=("q", "k", "v", "o"),
@@ -42,14 +43,14 @@ def make_engine(runner, adapter_dir, steps, args):
     return Engine(runner, reg, EngineConfig(
         max_num_seqs=R, max_model_len=args.prompt_len + args.max_tokens, max_prefill_seqs=R,
         max_num_batched_tokens=R + R * args.prompt_len, enable_prefix_cache=False, num_scheduler_steps=steps,
-        cpu_decode=getattr(args, "cpu_decode", "auto")))
+        cpu_decode=getattr(args, "cpu_decode", "auto"), decode_steps_per_call=fused))
 
 
-def served_engine(runner, adapter_dir, steps, args):
+def served_engine(runner, adapter_dir, steps, args, fused: int = 1):
     """(engine, adapter picks): a warmed-up `make_engine` and each request's adapter (a seeded random one
     of lora_0 .. lora_{n_adapters-1}; None without adapter_dir), after one short untimed batch that makes
     the picked adapters resident (a slot write donates the bank an earlier recorded call holds)."""
-    eng = make_engine(runner, adapter_dir, steps, args)
+    eng = make_engine(runner, adapter_dir, steps, args, fused)
     eng.warmup()
     rng = np.random.default_rng(1008)
     picks = [f"lora_{int(rng.integers(0, args.n_adapters))}" if adapter_dir else None for _ in range(args.requests)]
@@ -74,11 +75,14 @@ class Recorder:
         return out
 
     def staged(self):
-        """The recorded calls with every argument on the device (a decode call's host buffer moved
-        there: the bare loop pays no transfer), and a fresh start."""
+        """The recorded calls with every argument on the device (a call's host arrays moved there:
+        the bare loop pays no transfer), and a fresh start."""
         from serve.step_runner import DecodeCall
         out, self.calls = self.calls, []
-        out = [dataclasses.replace(c, packed=jax.device_put(c.packed)) if isinstance(c, DecodeCall) else c
+        out = [dataclasses.replace(c, packed=jax.device_put(c.packed)) if isinstance(c, DecodeCall) else
+               dataclasses.replace(c, **{f: jax.device_put(getattr(c, f)) for f in
+                                         ("tokens", "batch", "adapter_ids", "prompt_lens", "sampling", "next_tokens",
+                                          "adapter_starts")})
                for c in out]
         jax.block_until_ready([c.arrays() for c in out])
         return out
@@ -116,7 +120,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, nargs="+", default=[4, 1], help="num_scheduler_steps values")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fused", type=int, nargs="+", default=[1, 4],
+                    help="decode_steps_per_call values (fused multi-step calls; > 1 only with --steps > 1)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bursts", type=int, default=8,
+                    help="workload rounds per repeat, served back to back (and replayed): a longer window "
+                         "than one ~40 ms round on the tiny model, whose spread on this machine was 0.5-1.2x")
     ap.add_argument("--cpu-decode", default="auto", choices=("auto", "native", "xla"),
                     help="EngineConfig.cpu_decode: the CPU base decode path (both loops run the same one)")
     ap.add_argument("--json")
@@ -134,17 +143,21 @@ def main(argv=None) -> int:
     V = runner.cfg.vocab_size
     cases, calls = {}, {}
     for label, with_ad in (("base", False), ("PreFT-LoRA", True))[:2 if adir else 1]:
-        for steps in args.steps:
-            name = f"{label} steps={steps}"
-            eng, picks = served_engine(runner, adir if with_ad else None, steps, args)
+        for steps, fused in [(st, k) for k in args.fused for st in args.steps if st > 1 or k == 1]:
+            name = f"{label} steps={steps}" + (f" fused={fused}" if fused > 1 else "")
+            eng, picks = served_engine(runner, adir if with_ad else None, steps, args, fused)
             rec = Recorder(eng)
             held = {}
 
             def run_engine(rep, eng=eng, rec=rec, held=held, picks=picks, name=name):
-                s = serve(eng, random_prompts(args.requests, args.prompt_len, V, rep), picks, args.max_tokens)
-                held["staged"], held["tokens"] = rec.staged(), s.tokens
-                calls[name] = len(held["staged"])
-                return {"tok_per_s": s.tok_per_s, "wall_s": s.wall, "calls": len(held["staged"])}
+                tokens = wall = 0
+                for b in range(args.bursts):
+                    s = serve(eng, random_prompts(args.requests, args.prompt_len, V, rep * args.bursts + b), picks,
+                              args.max_tokens)
+                    tokens, wall = tokens + s.tokens, wall + s.wall
+                held["staged"], held["tokens"] = rec.staged(), tokens
+                calls[name] = len(held["staged"]) // args.bursts
+                return {"tok_per_s": tokens / wall, "wall_s": wall, "calls": len(held["staged"])}
 
             def run_bare(rep, eng=eng, held=held):
                 bare_loop(eng, held["staged"][:2])                   # untimed: touch the shapes once

@@ -11,7 +11,7 @@
                            [--max-body-bytes 4194304] [--shutdown-grace 10]
                            [--header-timeout 10] [--body-timeout 60] [--keep-alive-timeout 5]
                            [--max-header-bytes 16384] [--limit-concurrency N]
-                           [--warmup background|full|none] [--warmup-logprobs]
+                           [--warmup background|full|none] [--warmup-logprobs] [--decode-steps-per-call 1]
     both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--quantize int8|int4]
           [--mesh data=D,tensor=T] [--cpu-decode auto|native|xla] [--no-cache] [--quiet]
 
@@ -218,7 +218,7 @@ def cmd_server(args) -> int:
                            max_queued=args.max_queued, request_timeout=args.request_timeout or None,
                            max_request_sequences=args.max_request_sequences,
                            max_request_prompt_logprob_tokens=args.max_request_prompt_logprob_tokens,
-                           warmup_logprobs=args.warmup_logprobs)
+                           warmup_logprobs=args.warmup_logprobs, decode_steps_per_call=args.decode_steps_per_call)
     warmup = "none" if args.no_warmup else args.warmup
     if warmup == "full":
         seconds = engine.warmup(progress=lambda msg: print(f"warmup: {msg}", file=sys.stderr, flush=True))
@@ -352,6 +352,9 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     s.add_argument("--no-warmup", action="store_true", help="same as --warmup none")
     s.add_argument("--warmup-logprobs", action="store_true",
                    help="also compile the log-probability variants at start-up (else on the first such request)")
+    s.add_argument("--decode-steps-per-call", type=int, default=1, metavar="K",
+                   help="fuse K decode steps into one device call while only decoding runs (fewer dispatches "
+                        "and host passes; tokens stream K at a time; docs/serving.md)")
     s.set_defaults(func=cmd_server)
     return p
 

@@ -66,6 +66,7 @@ handler and a server's lifespan hook may both call it).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -84,9 +85,9 @@ from serve.metrics import EngineMetrics
 from serve.registry import AdapterRegistry
 from serve.request import GenerationRequest, Request, Result, new_request_id
 from serve.scheduler import DECODE, Chunk, Scheduler, SchedulerConfig, Sequence
-from serve.step_runner import DecodeStep, StepRunner, prompt_entry, to_host, token_entry
+from serve.step_runner import DecodeStep, StepRunner, prompt_entry, to_host, to_host_tokens, token_entry
 from serve.validation import RequestLimits, activation_start, check_request
-from serve.warmup import warmup_tasks
+from serve.warmup import freeze_heap, thaw_heap, warmup_tasks
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Request", "Result"]
 
@@ -125,7 +126,8 @@ class Engine:
         self._lock = threading.Lock()            # inbox + live set (submit threads vs the engine thread)
         self._state = threading.RLock()          # scheduler state (engine thread vs a shutdown thread)
         self._wake = threading.Event()
-        self._rng = np.random.default_rng(config.seed)      # keys of requests without a seed
+        self._rng = random.Random(config.seed)   # keys of requests without a seed (64 bits each: ~1 us,
+                                                 # a numpy Generator draw was ~8 us per request)
         self._thread: threading.Thread | None = None
         self._lifecycle = threading.Lock()       # start / shutdown (a signal handler vs a lifespan hook)
         self._warm_pending: deque = deque()      # background warm-up: (label, run, failures) (serve/warmup.py)
@@ -142,6 +144,7 @@ class Engine:
         self.steps = 0
         self._inflight: DecodeStep | None = None  # a decode call left in flight by a quiet step (async scheduling)
         self._new_tokens = 0                     # generated this step (the metrics counter is updated once per step)
+        self._froze_heap = False                 # warm-up froze the startup heap (EngineConfig.freeze_gc)
 
     @property
     def mode(self) -> str:
@@ -195,7 +198,8 @@ class Engine:
                 req.key_data = seed_key_data(sampling.seed, i)
             else:
                 with self._lock:                          # submit runs on callers' threads
-                    req.key_data = self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32)
+                    bits = self._rng.getrandbits(64)
+                    req.key_data = np.array([bits & 0xFFFFFFFF, bits >> 32], np.uint32)
             if events is not None:
                 req.events = events[i]
             seq = Sequence(req, list(prompt_ids), len(prompt_ids))
@@ -519,14 +523,12 @@ class Engine:
                     if not rows:
                         break
                     pending = self.step_runner.dispatch_decode(rows)
+                    pending.room = np.fromiter(                 # tokens each row may still generate
+                        [min(s.req.sampling.max_new_tokens - len(s.req.tokens), c.max_model_len - len(s.tokens))
+                         for s in rows], np.int64, len(rows))
                     continue
                 prev = pending
-                rows = [s for s in prev.seqs if not s.req.finished and not s.req.cancelled
-                        and len(s.req.tokens) + 2 <= s.req.sampling.max_new_tokens
-                        and len(s.tokens) + 2 <= c.max_model_len]
-                with self._state:                               # a home for position num_computed + 1
-                    rows = [s for s in rows if self.scheduler.grow(s, s.num_computed + 2)]
-                pending = self.step_runner.dispatch_decode(rows, after=prev) if rows else None
+                pending = self._continue_decode(prev)
                 self._process_decode(prev)
                 if pending is None:
                     break
@@ -542,17 +544,81 @@ class Engine:
                 self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
 
+    def _continue_decode(self, prev: DecodeStep) -> DecodeStep | None:
+        """The next call of a pipelined chain, dispatched before the host has seen `prev`'s tokens:
+        its rows that may still generate a token after `prev`'s (`room`), are neither finished nor
+        cancelled, and have a home for the positions the call reaches (blocks are allocated only
+        for the rows whose positions enter a new one). One call fuses `decode_steps_per_call` steps
+        (`StepRunner.fused_steps`). Per-row work is vectorized over the `DecodeStep` arrays; None
+        when no row continues."""
+        c = self.config
+        steps = self.step_runner.fused_steps()
+        room = prev.room - prev.steps                           # tokens each row may generate after prev's
+        keep = room >= 1
+        keep &= np.fromiter([not (s.req.finished or s.req.cancelled) for s in prev.seqs], bool, len(prev.seqs))
+        nxt = prev.positions + prev.steps                       # the first position the call writes
+        reach = nxt + np.minimum(steps, room)                   # positions < reach need a home: the later
+                                                                # ones' tokens are dropped (written to no block)
+        bs = c.block_size
+        new_block = np.flatnonzero(keep & ((reach - 1) // bs > (nxt - 1) // bs)).tolist()
+        if new_block:
+            with self._state:
+                for i in new_block:
+                    keep[i] = self.scheduler.grow(prev.seqs[i], int(reach[i]))
+        step = self.step_runner.continue_decode(prev, keep, steps)
+        if step is not None:
+            step.room = room[keep]
+        return step
+
     def _process_decode(self, step: DecodeStep):
-        host = to_host(step.out)                                # the one host transfer of the call
+        """Hands a decode call's tokens to its requests (the one host transfer of the call; a fused
+        call's k tokens per row in order, the rest of a row that stopped dropped). The common case -
+        no stop token, not the row's last tokens, no token hook, no log-probabilities - is one
+        tight loop with one event per row; full blocks are registered in the prefix cache only for
+        rows whose positions completed one."""
+        host = to_host(step.out) if step.steps == 1 else {"tokens": to_host_tokens(step.out)}
+        k = step.steps
         tokens = host["tokens"][step.rows].tolist()             # one gather + conversion, not one per row
         logprobs, now = "logprob" in host, time.monotonic()
+        bs = self.config.block_size
+        full = set(np.flatnonzero((step.positions + k) // bs > step.positions // bs).tolist())
+        fast = not logprobs and not self._token_hooks
+        max_len, gaps = self.config.max_model_len, []
         with self._state:
-            for s, r, token in zip(step.seqs, step.rows.tolist(), tokens):
-                if s.req.finished or s.status != DECODE:
+            for i, (s, toks) in enumerate(zip(step.seqs, tokens)):
+                req = s.req
+                if req.finished or s.status != DECODE:
                     continue
-                s.num_computed += 1
-                self.scheduler.register_computed(s)
-                self._accept_safely(s, token, token_entry(host, r, s.req.sampling.logprobs) if logprobs else None, now)
+                s.num_computed += k
+                if k == 1:
+                    toks = [toks]
+                register = i in full                            # when its tokens are known: hashable
+                if (not fast or req.first_token_at is None or len(req.tokens) + k >= req.sampling.max_new_tokens
+                        or len(s.tokens) + k >= max_len or any(map(req.stop_token_ids.__contains__, toks))):
+                    if register and k == 1:                     # before the token may end the request
+                        self.scheduler.register_computed(s)
+                        register = False
+                    for token in toks:                          # one by one, through every rule
+                        if req.finished:
+                            break
+                        self._accept_safely(s, token, token_entry(host, int(step.rows[i]), req.sampling.logprobs)
+                                            if logprobs else None, now)
+                else:
+                    try:                                        # `_accept` without its rare branches
+                        gaps.append(now - req.last_token_at)
+                        if k > 1:
+                            gaps.extend([0.0] * (k - 1))        # a fused call's tokens arrive together
+                        req.last_token_at = now
+                        s.tokens.extend(toks)
+                        req.tokens.extend(toks)
+                        req.emit(("tokens", toks))
+                    except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
+                        log.exception("request %s: could not process its token", req.request_id)
+                        self._terminate(req, error=_engine_failure("processing its output", req))
+                if register and not req.finished:
+                    self.scheduler.register_computed(s)
+            self._new_tokens += len(gaps)
+            self.metrics.inter_token.observe_many(gaps)
 
     def _recover_cache(self):
         """After a failed call: if the donated KV pool was consumed, rebuild it, forget the prefix
@@ -655,7 +721,13 @@ class Engine:
             if progress:
                 progress(f"compiling again: {label}")
             self._run_warm_task(label, run, 1, "warm-up")
+        self._freeze_heap()
         return time.monotonic() - t0
+
+    def _freeze_heap(self) -> None:
+        if self.config.freeze_gc:
+            freeze_heap()
+            self._froze_heap = True
 
     def warm_in_background(self) -> int:
         """Queues every warm-up task for the engine thread, which runs one whenever no request is
@@ -705,6 +777,7 @@ class Engine:
             log.info("background warm-up done in %.1f s%s", time.monotonic() - self._warm_started,
                      f" ({skipped} shape(s) skipped)" if skipped else "")
             self._warm_started = None
+            self._freeze_heap()
 
     # ---- background loop -------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -737,6 +810,9 @@ class Engine:
                 self._thread = None
         for req in self.live_requests():
             self._terminate(req, error=EngineError("the server is shutting down", 503, "unavailable"))
+        if self._froze_heap:
+            self._froze_heap = False
+            thaw_heap()
 
     def _loop(self):
         while not self._stop.is_set():

@@ -29,15 +29,22 @@ class EngineConfig:
     min_chunk: int = 16                  # smallest prefill chunk bucket
     num_scheduler_steps: int = 4         # decode calls per step when nothing waits (pipelined; > 1: the last stays
                                          # in flight into the next quiet step, async scheduling; Engine._run_decode)
+    decode_steps_per_call: int = 1       # decode steps fused in one jitted call inside a pipelined chain (a device
+                                         # loop: 1/k of the dispatches and host passes; tokens reach requests k at a
+                                         # time, and a row that stops mid-call computes the rest for nothing)
     warmup_logprobs: bool = False        # warmup() also compiles the log-probability variants (else: on first use)
     cpu_decode: str = "auto"             # CPU float32 base decode: "native" (one FFI call), "xla", "auto"
+    freeze_gc: bool = True               # after warm-up: gc.collect() + gc.freeze() (serve/warmup.py freeze_heap):
+                                         # a full collection then skips the startup heap (~0.2 s -> ~0 on the tiny
+                                         # model's process, every stream paused meanwhile); undone at shutdown()
 
     def __post_init__(self):
         if self.mode not in ("prefill", "all"):
             raise ValueError(f"engine mode must be 'prefill' or 'all', got {self.mode!r}")
         if self.cpu_decode not in native_decode.CPU_DECODE:
             raise ValueError(f"cpu_decode must be one of {native_decode.CPU_DECODE}, got {self.cpu_decode!r}")
-        for name in ("max_num_seqs", "max_prefill_seqs", "block_size", "min_chunk", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_prefill_seqs", "block_size", "min_chunk", "num_scheduler_steps",
+                     "decode_steps_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len < 2:

@@ -74,19 +74,16 @@ class Request:
     tokenizer: object = dataclasses.field(default=None, repr=False)      # for wait() / stream()
     on_stop: object = dataclasses.field(default=None, repr=False)        # cancels in the engine
     _output: object = dataclasses.field(default=None, repr=False)
-    _settled: bool = False
+    finished: bool = False                 # terminal (set once, by `settle`; a plain attribute: the
+                                           # engine reads it per row per decode call)
     _settle_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def finished(self) -> bool:
-        return self._settled
 
     def settle(self) -> bool:
         """Marks the request terminal; True for the one caller that does it, False for every other."""
         with self._settle_lock:
-            if self._settled:
+            if self.finished:
                 return False
-            self._settled = True
+            self.finished = True
             return True
 
     def expired(self, now: float | None = None) -> bool:

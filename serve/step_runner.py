@@ -46,7 +46,7 @@ from preft_jax import native_decode
 from preft_jax import sharding as shd
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
-from preft_jax.paged_step import copy_blocks, paged_step, sample_rows, sharded_paged_step
+from preft_jax.paged_step import copy_blocks, decode_advance, paged_step, sample_rows, sharded_paged_step
 from serve.engine_config import EngineConfig
 from serve.kv_blocks import NULL_BLOCK
 from serve.registry import AdapterRegistry
@@ -93,7 +93,15 @@ def prompt_entry(host: dict, r: int, j: int, k: int):
 
 
 def _tokens_of(out):
+    """A decode call's output -> its last tokens [R] (the next call's FROM_PREV input)."""
+    if isinstance(out, tuple):                       # a multi-step call: (tokens [R, steps], last [R])
+        return out[1]
     return out["tokens"] if isinstance(out, dict) else out
+
+
+def to_host_tokens(out) -> np.ndarray:
+    """A decode call's output -> its tokens on the host, [R] (one step) or [R, steps]."""
+    return np.asarray(out[0]) if isinstance(out, tuple) else to_host(out)["tokens"]
 
 
 # Columns of a decode row in `DecodeRows.buffer` (int32; floats and key data stored as their bits),
@@ -116,6 +124,34 @@ def _decode_step(graphdef, state, packed, prev_tokens, cache, bank, native, *, a
                       None if bank is None else col(START), logprobs=logprobs)
 
 
+def _decode_steps(graphdef, state, packed, prev_tokens, cache, bank, native, *, attention: str, logprobs: bool,
+                  steps: int):
+    """`steps` decode steps in one call (a device-side loop, no host sync between them): step i feeds
+    step i - 1's tokens at positions CONTEXT + i, its K/V written where the block tables place that
+    position (`decode_advance`: the caller names the blocks of every position the steps reach; a
+    padding row's and a position past the table's writes are dropped), its sampling key folded with
+    COUNTER + i (the draws of `steps` single calls). Returns (tokens [R, steps], last tokens [R]), cache."""
+    if steps == 1:
+        return _decode_step(graphdef, state, packed, prev_tokens, cache, bank, native, attention=attention,
+                            logprobs=logprobs)
+    col = lambda c: packed[:, c]                                                 # noqa: E731
+    bits = lambda c, dtype: jax.lax.bitcast_convert_type(packed[:, c], dtype)    # noqa: E731
+    tokens = jnp.where(col(FROM_PREV) > 0, prev_tokens, col(TOKEN))[:, None]
+    batch = PagedBatch(packed[:, BLOCKS:], col(CONTEXT), col(CHUNK), packed[:, WRITE:WRITE + 1], attention)
+    key_data, counters = bits(slice(KEY, KEY + 2), jnp.uint32), col(COUNTER)
+
+    def one(carry, i):
+        tok, cache = carry
+        nxt, cache = paged_step(graphdef, state, tok, decode_advance(batch, cache.block_size, cache.num_blocks, i),
+                                cache, bank, None if bank is None else col(ADAPTER), col(PROMPT),
+                                bits(TEMPERATURE, jnp.float32), bits(TOP_P, jnp.float32), col(TOP_K),
+                                (key_data, counters + i), None, native, None if bank is None else col(START))
+        return (nxt[:, None], cache), nxt
+
+    (_, cache), toks = jax.lax.scan(one, (tokens, cache), jnp.arange(steps, dtype=jnp.int32))
+    return (toks.T, toks[-1]), cache
+
+
 @functools.lru_cache(maxsize=16)
 def decode_step(graphdef, mesh=None, k_spec=None, v_spec=None):
     """`_decode_step` jitted with the model's graph bound in: a static graphdef argument would be
@@ -126,13 +162,14 @@ def decode_step(graphdef, mesh=None, k_spec=None, v_spec=None):
     if mesh is not None:
         named = functools.partial(jax.sharding.NamedSharding, mesh)
         kw["out_shardings"] = (named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec)))
-    return jax.jit(functools.partial(_decode_step, graphdef), static_argnames=("attention", "logprobs"),
+    return jax.jit(functools.partial(_decode_steps, graphdef), static_argnames=("attention", "logprobs", "steps"),
                    donate_argnames=("cache",), **kw)
 
 
 @dataclasses.dataclass
 class PrefillCall:
-    """The arguments of one prefill `paged_step` call (chunks of C > 1 tokens per row), on the device."""
+    """The arguments of one prefill `paged_step` call (chunks of C > 1 tokens per row): host (numpy)
+    arrays, moved to the device by the call's dispatch (a replay may stage them there first)."""
     tokens: jax.Array                    # int32 [R, C]
     batch: PagedBatch
     bank: object                         # AdapterBank, or None: base weights
@@ -174,6 +211,7 @@ class DecodeCall:
     native: object                       # NativeWeights: the call runs natively (base weights only)
     attention: str
     logprobs: bool = False
+    steps: int = 1                       # decode steps fused in the call (`_decode_steps`)
     chunk = 1
 
     @property
@@ -193,10 +231,15 @@ StepCall = PrefillCall | DecodeCall
 
 @dataclasses.dataclass
 class DecodeStep:
-    """A dispatched decode call: `seqs[i]` is row `rows[i]` of `out` (device arrays, not read yet)."""
+    """A dispatched decode call: `seqs[i]` is row `rows[i]` of `out` (device arrays, not read yet),
+    its first K/V written at `positions[i]` (then one further per step); `room` is the caller's
+    (the engine's per-row token budget)."""
     seqs: list[Sequence]
     rows: np.ndarray
     out: object
+    positions: np.ndarray | None = None
+    room: np.ndarray | None = None
+    steps: int = 1                       # tokens per row (a multi-step call: `out` is (tokens [R, steps], last))
 
 
 class DecodeRows:
@@ -258,6 +301,35 @@ class DecodeRows:
         if not ahead:
             self.tokens[rows] = [s.tokens[q] for s, q in zip(seqs, pos.tolist())]
         return rows, int(b.max(initial=0)) + 1, filled
+
+    def advance(self, prev_seqs: list[Sequence], prev_rows: np.ndarray, keep: np.ndarray, by: int = 1,
+                span: int = 1) -> tuple[list[Sequence], np.ndarray, int]:
+        """`update(seqs, ahead=by)` for a pipelined call continuing the previous call (its sequences
+        `prev_seqs` on rows `prev_rows`, from `update` or `advance`; `by`: the tokens it computes
+        per row): the sequences where `keep` holds move `by` positions on, column-wise (numpy;
+        per-row Python only for a row whose table lacks a block of the `span` positions the call
+        reaches), the others are released. Returns (the kept sequences, their rows, block-table
+        width needed for `span` positions). Valid only while nothing but this chain of calls
+        changed the rows' sequences (no copy-on-write, no re-admission in between): the engine takes
+        it between the calls of one pipelined chain and `update` everywhere else."""
+        seqs = [s for s, k in zip(prev_seqs, keep.tolist()) if k]
+        if len(seqs) != len(prev_seqs):
+            for s, k in zip(prev_seqs, keep.tolist()):
+                if not k and s in self.row_of:
+                    self.release(s)
+        rows = prev_rows[keep]
+        bs = self.block_size
+        pos = self.context_lens[rows].astype(np.int64) + by
+        last = (pos + span - 1) // bs                                    # the last block the call reaches
+        for i in np.flatnonzero(last >= self._blocks[rows]).tolist():     # blocks not in the table yet
+            r, blocks = int(rows[i]), seqs[i].blocks
+            self.block_tables[r, self._blocks[r]:len(blocks)] = blocks[self._blocks[r]:]
+            self._blocks[r] = len(blocks)
+        self.context_lens[rows] = pos
+        self.write_index[rows] = self.block_tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        self.counters[rows] += by
+        self.from_prev[rows] = 1
+        return seqs, rows, int(last.max(initial=0)) + 1
 
     def _fill(self, s: Sequence) -> int:
         r = heapq.heappop(self._free)
@@ -384,8 +456,8 @@ class StepRunner:
         dict of device arrays (`paged_step`) when the call asks for log-probabilities or logits."""
         if isinstance(call, DecodeCall):
             with self.model.mesh_context():
-                return self._decode_fn(self.model.state, call.packed, call.prev_tokens, cache,
-                                       call.bank, call.native, attention=call.attention, logprobs=call.logprobs)
+                return self._decode_fn(self.model.state, call.packed, call.prev_tokens, cache, call.bank,
+                                       call.native, attention=call.attention, logprobs=call.logprobs, steps=call.steps)
         temp, top_p, top_k, key_data, counters = call.sampling
         with self.model.mesh_context():
             return self._step_fn(
@@ -440,8 +512,8 @@ class StepRunner:
                 nxt = s.tokens[ch.start + 1:ch.start + ch.length + 1]
                 next_tokens[r, :len(nxt)] = nxt
         samp = self.sampling_rows([ch.seq for ch in chunks], P)
-        tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens, starts = jax.device_put(
-            (tokens, bt, ctx, clen, widx, ids, plen, samp, next_tokens, starts))
+        # host arrays: the jitted call's dispatch moves them (~0.1 ms for the lot; a jax.device_put of
+        # the same 14 arrays first cost ~0.3-0.5 ms of host time per prefill call)
         return PrefillCall(tokens, PagedBatch(bt, ctx, clen, widx, "gather"), self.registry.bank, ids, plen, samp,
                            next_tokens=next_tokens, adapter_starts=starts, logprobs=logprobs,
                            prompt_logprobs=prompt_logprobs)
@@ -454,10 +526,30 @@ class StepRunner:
         rows, width, filled = self.rows.update(seqs, 0 if after is None else 1)
         if after is not None and filled:
             raise RuntimeError("a pipelined decode call can only continue the previous call's rows")
-        prev = self._no_prev if after is None else _tokens_of(after.out)
-        return DecodeStep(seqs, rows, self.run(self._decode(self.rows, bucket(width, self.block_buckets), prev)))
+        return self._dispatch(seqs, rows, width, after)
 
-    def _decode(self, rows: DecodeRows, nb: int, prev_tokens) -> DecodeCall:
+    def continue_decode(self, after: DecodeStep, keep: np.ndarray, steps: int = 1) -> DecodeStep | None:
+        """`dispatch_decode(seqs, after=after)` for the sequences of `after` where `keep` (bool, one
+        per sequence) holds, as one call of `steps` fused decode steps: every kept row has a home
+        for the `steps` positions it reaches, but for positions past `max_model_len` (dropped or
+        written to the reserved block: the row ends before reading them). The rows move on
+        column-wise (`DecodeRows.advance`), no per-sequence reads. None when no row is kept."""
+        seqs, rows, width = self.rows.advance(after.seqs, after.rows, keep, after.steps, steps)
+        if not seqs:
+            return None
+        return self._dispatch(seqs, rows, width, after, steps)
+
+    def fused_steps(self) -> int:
+        """Decode steps the next pipelined call may fuse (`EngineConfig.decode_steps_per_call`): 1
+        while a row asks for log-probabilities (a fused call returns tokens only)."""
+        return 1 if self.rows.logprob_rows else self.config.decode_steps_per_call
+
+    def _dispatch(self, seqs, rows, width, after, steps: int = 1):
+        prev = self._no_prev if after is None else _tokens_of(after.out)
+        out = self.run(self._decode(self.rows, bucket(width, self.block_buckets), prev, steps))
+        return DecodeStep(seqs, rows, out, self.rows.context_lens[rows].astype(np.int64), steps=steps)
+
+    def _decode(self, rows: DecodeRows, nb: int, prev_tokens, steps: int = 1) -> DecodeCall:
         """The call over every decode row (block tables `nb` wide): one transfer of the rows' buffer,
         made by the jitted call's own dispatch (C++: ~25 us less per call than a `jax.device_put`
         first), of a copy (a transfer may read host memory after it returns: jax aliases numpy
@@ -469,7 +561,7 @@ class StepRunner:
         base-weights program (the native CPU step where it serves: a batch with such rows runs on XLA)."""
         bank = self.registry.bank if rows.adapted_rows > 0 else None
         return DecodeCall(rows.buffer[:, :BLOCKS + nb].copy(), prev_tokens, bank,
-                          self.native if bank is None else None, self.decode_attention, rows.logprob_rows > 0)
+                          self.native if bank is None else None, self.decode_attention, rows.logprob_rows > 0, steps)
 
     # ---- parallel samples and block copies -------------------------------------------------
     def sample_forks(self, logits, row: int, seqs: list[Sequence], logprobs: bool, size: int | None = None):
@@ -497,14 +589,15 @@ class StepRunner:
         """Runs the prefill program of this shape on padding rows (every write dropped); returns its logits."""
         return jax.block_until_ready(self.run(self._prefill([], P, C, nb, logprobs, prompt_logprobs))["logits"])
 
-    def compile_decode(self, nb: int, logprobs: bool = False, adapted: bool = False) -> None:
+    def compile_decode(self, nb: int, logprobs: bool = False, adapted: bool = False, steps: int = 1) -> None:
         """Runs the decode program with `nb`-wide block tables on padding rows (the same program
         serves pipelined calls: their input tokens are an argument either way); `adapted`: the
-        program with the adapter bank (rows whose generated tokens use their adapter)."""
+        program with the adapter bank (rows whose generated tokens use their adapter); `steps`:
+        that many decode steps fused in the call."""
         pad = DecodeRows(self.config.max_num_seqs, nb, self.block_size, self.drop_index)
         pad.logprob_rows = int(logprobs)
         pad.adapted_rows = int(adapted and self.registry.bank is not None)
-        jax.block_until_ready(self.run(self._decode(pad, nb, self._no_prev)))
+        jax.block_until_ready(self.run(self._decode(pad, nb, self._no_prev, steps)))
 
     def compile_forks(self, S: int, logits, logprobs: bool = False) -> None:
         """Runs the fork sampler for S samples from `logits` [P, V]."""

@@ -101,6 +101,7 @@ def _release_compiled_programs():
     yield
     import gc
     import sys
+    gc.unfreeze()          # an engine's warm-up froze the heap (EngineConfig.freeze_gc): collectable again
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
     gc.collect()

@@ -70,17 +70,27 @@ def _serve_all(eng, reqs, n_samples=3):
     return [h.wait(timeout=600).tokens for h in handles], [f.wait(timeout=600).tokens for f in forks]
 
 
-def test_full_warmup_leaves_nothing_to_compile(runner):
-    eng = _engine(runner)
+@pytest.mark.parametrize("fused", [1, 4])
+def test_full_warmup_leaves_nothing_to_compile(runner, fused):
+    """... with fused 4-step decode calls too (their programs are warm-up tasks of their own). The
+    warm-up freezes the startup heap (EngineConfig.freeze_gc) and shutdown thaws it."""
+    import gc
+    gc.unfreeze()
+    eng = _engine(runner, decode_steps_per_call=fused)
     eng.warmup()
+    assert gc.get_freeze_count() > 1000
     before = _compiled(runner)
     eng.start()
     try:
-        got, _ = _serve_all(eng, _requests(1))
+        got, _ = _serve_all(eng, _requests(1) + [(list(range(5)), None, 30)])   # long enough for fused calls
     finally:
         eng.shutdown()
     assert _compiled(runner) == before
     assert got[0] == _alone(runner, *_requests(1)[0])
+    assert gc.get_freeze_count() == 0
+    eng = _engine(runner, freeze_gc=False)
+    eng.warmup()
+    assert gc.get_freeze_count() == 0
 
 
 def test_background_warmup_serves_early_requests_exactly(runner):

@@ -228,3 +228,51 @@ def test_adapter_dir_tier_found_by_name_changed_and_broken_folders(runner, tmp_p
     with pytest.raises(Exception, match="unknown adapter"):
         eng.submit(p, "nope", _sp(3))
     assert reg.occupancy()["device_pinned"] == 0 and not any(reg.catalog.refs.values())
+
+
+def _fused_calls(eng) -> list:
+    """Records, per step call of `eng`, whether it was a fused 4-step decode call."""
+    from serve.step_runner import DecodeCall
+    fused = []
+    eng.step_runner.add_call_hook(
+        lambda call, run: (fused.append(isinstance(call, DecodeCall) and call.steps == 4), run(call))[1])
+    return fused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["prefill", "all"])
+def test_fused_decode_calls_equal_requests_alone(runner, mode):
+    """`decode_steps_per_call=4` (four decode steps fused in each pipelined call, a device loop):
+    greedy outputs equal each request generated alone, with a roomy pool and under preemption (12
+    blocks), PreFT and all-token adapters."""
+    reqs = [(p, a, m + 16) for p, a, m in _requests(5, n=8)]
+    for pool in (None, 48):                                  # 48 tokens: 12 blocks, preemption by recompute
+        eng = _engine(runner, mode, kv_cache_tokens=pool, decode_steps_per_call=4)
+        fused = _fused_calls(eng)
+        got = _run(eng, reqs)
+        assert sum(fused) >= 3 and (pool is None or eng.scheduler.preemptions > 0)
+        for (p, a, m), toks in zip(reqs, got):
+            assert toks == _alone(runner, p, a, m, mode)
+        assert eng.pool.num_available == eng.pool.capacity
+
+
+def test_fused_decode_stops_and_sampling_equal_single_steps(runner):
+    """Fused 4-step decode calls against single-step calls: stop tokens hit inside a fused call (its
+    later tokens dropped), length limits inside one, seeded sampling: the same tokens and finish
+    reasons."""
+    rng = np.random.default_rng(6)
+    reqs = []
+    for i, (p, a, m) in enumerate(_requests(7, n=6)):
+        stop = tuple(int(t) for t in rng.integers(0, CFG.vocab_size, 12)) if i % 3 else NO_STOP
+        reqs.append((p, a, SamplingParams(max_new_tokens=m + 14, stop_token_ids=stop, seed=i,
+                                          temperature=0.9 if i % 2 else 0.0)))
+    outs = {}
+    for k in (1, 4):
+        eng = _engine(runner, decode_steps_per_call=k, max_num_seqs=6, max_prefill_seqs=6,
+                      max_num_batched_tokens=160)
+        fused = _fused_calls(eng)
+        outs[k] = [(r.tokens, r.finish_reason) for r in eng.generate(reqs)]
+        assert (sum(fused) >= 3) == (k == 4)
+    assert outs[4] == outs[1]
+    reasons = [reason for _, reason in outs[4]]
+    assert "stop" in reasons and "length" in reasons

@@ -91,3 +91,59 @@ def test_rows_stay_put_and_freed_rows_are_reused_lowest_first():
     assert rows.update([c, a], 1)[0].tolist() == [2, 0]              # b left: row 1 is padding now
     assert rows.buffer[1, 3] == 0 and rows.buffer[1, 4] == DROP
     assert rows.update([d, c, a], 0)[0].tolist() == [1, 2, 0]        # d takes the lowest free row
+
+
+def test_advance_equals_a_rebuild_along_pipelined_chains():
+    """`DecodeRows.advance` (the column-wise continuation of a pipelined chain) against the same
+    from-scratch reference: chains of 1-6 continuations after an `update(.., 0)` call, rows leaving
+    mid-chain (finished, out of room) and rows entering new blocks; the host sees each call's token
+    one call late, as in the engine (a call's sequences are accounted after its successor is
+    dispatched)."""
+    rng = np.random.default_rng(2)
+    rows = DecodeRows(R, MAX_BLOCKS, BS, DROP)
+    pool = [_seq(rng, i) for i in range(12)]
+    running: list[Sequence] = []
+    checked = 0
+
+    def account(seqs):                                              # a call's tokens reach the host
+        for s in seqs:
+            s.num_computed += 1
+            s.tokens.append(int(rng.integers(0, 100)))
+            s.req.tokens.append(s.tokens[-1])
+
+    for chain in range(60):
+        pool = [s if s.num_computed + 8 < MAX_BLOCKS * BS else _seq(rng, 100 + chain * R + i)   # spent: a new one
+                for i, s in enumerate(pool)]
+        idle = [s for s in pool if s not in running]
+        while len(running) < R and idle and rng.random() < 0.7:    # joins between chains
+            running.append(idle.pop(int(rng.integers(0, len(idle)))))
+        running = [s for s in running if s.num_computed + 8 < MAX_BLOCKS * BS]
+        if not running:
+            continue
+        for s in running:
+            while len(s.blocks) * BS <= s.num_computed:
+                s.blocks.append(int(rng.integers(300, 400)))
+        seqs, ahead = list(running), 0
+        got_rows, _, _ = rows.update(seqs, 0)
+        np.testing.assert_array_equal(rows.buffer, _reference(seqs, got_rows, 0, rows.buffer))
+        prev_seqs, prev_rows = seqs, got_rows
+        for link in range(int(rng.integers(1, 7))):
+            keep = rng.random(len(prev_seqs)) < 0.85                  # some rows leave the chain
+            kept = [s for s, k in zip(prev_seqs, keep) if k]
+            for s in kept:               # a home for the position it writes next (the engine's grow)
+                if len(s.blocks) * BS <= s.num_computed + 1:
+                    s.blocks.append(int(rng.integers(400, 500)))
+            got, new_rows, width = rows.advance(prev_seqs, prev_rows, keep)
+            assert got == kept
+            np.testing.assert_array_equal(rows.buffer, _reference(kept, new_rows, 1, rows.buffer),
+                                          err_msg=f"chain {chain} link {link}")
+            if kept:
+                assert width == max((s.num_computed + 1) // BS + 1 for s in kept)
+            account(prev_seqs)                    # then the host sees the previous call's tokens
+            checked += len(kept)
+            prev_seqs, prev_rows = kept, new_rows
+            if not kept:
+                break
+        account(prev_seqs)                                           # the chain's last call
+        running = [s for s in running if rng.random() < 0.8]         # some finish between chains
+    assert checked > 300, checked
