@@ -191,3 +191,26 @@ def test_decode_attention_env_override(monkeypatch):
     monkeypatch.setenv(ATTENTION_ENV, "flash")
     with pytest.raises(ValueError, match="PREFT_JAX_DECODE_ATTENTION must be 'auto' or 'gather', got 'flash'"):
         choose_attention(LLAMA_8B, 16, "gpu")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_engine_fused_decode_call_lowers_with_kernel_and_donated_pool(platform):
+    """The serving engine's own decode call (serve/step_runner.py: the rows' int32 buffer, 4 decode
+    steps fused in one call, `EngineConfig.decode_steps_per_call`) lowers for the accelerator from
+    shapes only, 8B shape at 64 rows x 2048 context: the paged-attention kernel inside the loop and
+    the pool donated (updated in place)."""
+    from serve.step_runner import BLOCKS, decode_step
+    cfg, R, ctx, steps = LLAMA_8B, 64, 2048, 4
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, adapter_backend="xla"))
+    graphdef, state = nnx.split(model)
+    nb = -(-(ctx + steps) // BS)
+    pool = jax.ShapeDtypeStruct((cfg.n_layers, cfg.n_kv_heads, R * nb + 1, BS, cfg.head_dim), jnp.bfloat16)
+    attention = choose_attention(cfg, BS, "gpu" if platform == "cuda" else platform)
+    text = decode_step(graphdef).trace(
+        state, jax.ShapeDtypeStruct((R, BLOCKS + nb), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
+        PagedKVCache(pool, pool), None, None, attention=attention, logprobs=False, steps=steps,
+    ).lower(lowering_platforms=(platform,)).as_text()
+    assert attention == ("kernel:gpu" if platform == "cuda" else "kernel:tpu")
+    assert MARKERS[platform] in text
+    pool_args = [a for a in _main_signature(text).split("%arg")[1:] if "32x8x" in a and "bf16" in a]
+    assert len(pool_args) == 2 and all("tf.aliasing_output" in a for a in pool_args)
