@@ -137,13 +137,14 @@ def decode_advance(batch: PagedBatch, block_size: int, num_blocks: int, steps) -
 
 
 def _paged_decode_steps(graphdef, state, tokens, batch: PagedBatch, cache: PagedKVCache, bank, adapter_ids,
-                        prompt_lengths, temperature, top_p, top_k, key, adapter_starts=None, *, num_steps: int):
+                        prompt_lengths, temperature, top_p, top_k, key, adapter_starts=None, native=None, *,
+                        num_steps: int):
     def one(carry, i):
         tok, cache = carry
         b = decode_advance(batch, cache.block_size, cache.num_blocks, i)
         step_key = (key[0], key[1] + i) if isinstance(key, tuple) else jax.random.fold_in(key, i)
         nxt, cache = _paged_step(graphdef, state, tok, b, cache, bank, adapter_ids, prompt_lengths,
-                                 temperature, top_p, top_k, step_key, adapter_starts=adapter_starts)
+                                 temperature, top_p, top_k, step_key, native=native, adapter_starts=adapter_starts)
         return (nxt[:, None], cache), nxt
 
     (_, cache), toks = jax.lax.scan(one, (tokens, cache), jnp.arange(num_steps, dtype=jnp.int32))
@@ -156,7 +157,7 @@ paged_decode_steps.__doc__ = """`num_steps` decode steps in one call, with no ho
 
     tokens, cache = paged_decode_steps(graphdef, state, tokens, batch, cache, bank, adapter_ids,
                                        prompt_lengths, temperature, top_p, top_k, key,
-                                       adapter_starts=None, num_steps=N)
+                                       adapter_starts=None, native=None, num_steps=N)
 
 tokens int32 [R, 1] and `batch` (C == 1) describe the first step as for `paged_step`; step i
 (0-based) feeds step i - 1's sampled tokens, at positions context_lens + i, its K/V written where
@@ -166,8 +167,8 @@ counters [R]) (step i uses counters + i: the same draws as N `paged_step` calls 
 advanced). Returns (tokens int32 [R, N], cache); the pool is donated and updated in place. Rows
 keep decoding after a stop token (the host truncates: no device-side stop check), so N should be
 small (the engine's scheduler steps). Greedy or sampled, adapters as in `paged_step` (a bank and
-adapter_starts in the all-token baseline; None for PreFT and base decode). The native CPU decode is
-not used here."""
+adapter_starts in the all-token baseline; None for PreFT and base decode). `native`: each step
+without a bank runs as the native CPU decode step (as in `paged_step`)."""
 
 
 def sharded_paged_step(mesh: jax.sharding.Mesh, cache_shardings: PagedKVCache):

@@ -85,7 +85,7 @@ from serve.metrics import EngineMetrics
 from serve.registry import AdapterRegistry
 from serve.request import GenerationRequest, Request, Result, new_request_id
 from serve.scheduler import DECODE, Chunk, Scheduler, SchedulerConfig, Sequence
-from serve.step_runner import DecodeStep, StepRunner, prompt_entry, to_host, to_host_tokens, token_entry
+from serve.step_runner import DecodeStep, StepRunner, prompt_entry, to_host, token_entry
 from serve.validation import RequestLimits, activation_start, check_request
 from serve.warmup import freeze_heap, thaw_heap, warmup_tasks
 
@@ -576,8 +576,7 @@ class Engine:
         no stop token, not the row's last tokens, no token hook, no log-probabilities - is one
         tight loop with one event per row; full blocks are registered in the prefix cache only for
         rows whose positions completed one."""
-        host = to_host(step.out) if step.steps == 1 else {"tokens": to_host_tokens(step.out)}
-        k = step.steps
+        host, k = to_host(step.out), step.steps
         tokens = host["tokens"][step.rows].tolist()             # one gather + conversion, not one per row
         logprobs, now = "logprob" in host, time.monotonic()
         bs = self.config.block_size

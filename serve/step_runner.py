@@ -46,7 +46,7 @@ from preft_jax import native_decode
 from preft_jax import sharding as shd
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
-from preft_jax.paged_step import copy_blocks, decode_advance, paged_step, sample_rows, sharded_paged_step
+from preft_jax.paged_step import copy_blocks, paged_decode_steps, paged_step, sample_rows, sharded_paged_step
 from serve.engine_config import EngineConfig
 from serve.kv_blocks import NULL_BLOCK
 from serve.registry import AdapterRegistry
@@ -72,7 +72,10 @@ def bucket(n: int, buckets: list[int]) -> int:
 
 
 def to_host(out) -> dict:
-    """A call's device output -> numpy arrays (tokens and, when present, log-prob arrays)."""
+    """A call's device output -> numpy arrays (tokens - [R], or [R, steps] for a fused decode call -
+    and, when present, log-prob arrays)."""
+    if isinstance(out, tuple):                       # a fused decode call: (tokens [R, steps], last [R])
+        return {"tokens": np.asarray(out[0])}
     if not isinstance(out, dict):
         return {"tokens": np.asarray(out)}
     return {k: np.asarray(v) for k, v in out.items() if k != "logits"}
@@ -99,11 +102,6 @@ def _tokens_of(out):
     return out["tokens"] if isinstance(out, dict) else out
 
 
-def to_host_tokens(out) -> np.ndarray:
-    """A decode call's output -> its tokens on the host, [R] (one step) or [R, steps]."""
-    return np.asarray(out[0]) if isinstance(out, tuple) else to_host(out)["tokens"]
-
-
 # Columns of a decode row in `DecodeRows.buffer` (int32; floats and key data stored as their bits),
 # then the row's block table.
 TOKEN, FROM_PREV, CONTEXT, CHUNK, WRITE, PROMPT, ADAPTER, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(12)
@@ -111,50 +109,30 @@ START = KEY + 2                  # an activated (aLoRA) row's activation start (
 BLOCKS = START + 1
 
 
-def _decode_step(graphdef, state, packed, prev_tokens, cache, bank, native, *, attention: str, logprobs: bool):
-    """`paged_step` for one decode call given as its `DecodeRows` buffer (`packed` int32 [R, BLOCKS +
-    width]) and the previous decode call's output tokens [R] (rows marked FROM_PREV take theirs)."""
-    col = lambda c: packed[:, c]                                                 # noqa: E731
-    bits = lambda c, dtype: jax.lax.bitcast_convert_type(packed[:, c], dtype)    # noqa: E731
-    tokens = jnp.where(col(FROM_PREV) > 0, prev_tokens, col(TOKEN))[:, None]
-    batch = PagedBatch(packed[:, BLOCKS:], col(CONTEXT), col(CHUNK), packed[:, WRITE:WRITE + 1], attention)
-    return paged_step(graphdef, state, tokens, batch, cache, bank, None if bank is None else col(ADAPTER),
-                      col(PROMPT), bits(TEMPERATURE, jnp.float32), bits(TOP_P, jnp.float32), col(TOP_K),
-                      (bits(slice(KEY, KEY + 2), jnp.uint32), col(COUNTER)), None, native,
-                      None if bank is None else col(START), logprobs=logprobs)
-
-
 def _decode_steps(graphdef, state, packed, prev_tokens, cache, bank, native, *, attention: str, logprobs: bool,
                   steps: int):
-    """`steps` decode steps in one call (a device-side loop, no host sync between them): step i feeds
-    step i - 1's tokens at positions CONTEXT + i, its K/V written where the block tables place that
-    position (`decode_advance`: the caller names the blocks of every position the steps reach; a
-    padding row's and a position past the table's writes are dropped), its sampling key folded with
-    COUNTER + i (the draws of `steps` single calls). Returns (tokens [R, steps], last tokens [R]), cache."""
-    if steps == 1:
-        return _decode_step(graphdef, state, packed, prev_tokens, cache, bank, native, attention=attention,
-                            logprobs=logprobs)
+    """One decode call given as its `DecodeRows` buffer (`packed` int32 [R, BLOCKS + width]) and the
+    previous decode call's last output tokens [R] (rows marked FROM_PREV take theirs): `paged_step`,
+    or with `steps` > 1 `paged_decode_steps` (that many steps in a device-side loop: positions,
+    write indices and sampling counters advanced on the device; the caller names the blocks of
+    every position the steps reach), returning ((tokens [R, steps], last tokens [R]), cache)."""
     col = lambda c: packed[:, c]                                                 # noqa: E731
     bits = lambda c, dtype: jax.lax.bitcast_convert_type(packed[:, c], dtype)    # noqa: E731
     tokens = jnp.where(col(FROM_PREV) > 0, prev_tokens, col(TOKEN))[:, None]
     batch = PagedBatch(packed[:, BLOCKS:], col(CONTEXT), col(CHUNK), packed[:, WRITE:WRITE + 1], attention)
-    key_data, counters = bits(slice(KEY, KEY + 2), jnp.uint32), col(COUNTER)
-
-    def one(carry, i):
-        tok, cache = carry
-        nxt, cache = paged_step(graphdef, state, tok, decode_advance(batch, cache.block_size, cache.num_blocks, i),
-                                cache, bank, None if bank is None else col(ADAPTER), col(PROMPT),
-                                bits(TEMPERATURE, jnp.float32), bits(TOP_P, jnp.float32), col(TOP_K),
-                                (key_data, counters + i), None, native, None if bank is None else col(START))
-        return (nxt[:, None], cache), nxt
-
-    (_, cache), toks = jax.lax.scan(one, (tokens, cache), jnp.arange(steps, dtype=jnp.int32))
-    return (toks.T, toks[-1]), cache
+    args = (graphdef, state, tokens, batch, cache, bank, None if bank is None else col(ADAPTER), col(PROMPT),
+            bits(TEMPERATURE, jnp.float32), bits(TOP_P, jnp.float32), col(TOP_K),
+            (bits(slice(KEY, KEY + 2), jnp.uint32), col(COUNTER)))
+    starts = None if bank is None else col(START)
+    if steps == 1:
+        return paged_step(*args, None, native, starts, logprobs=logprobs)
+    toks, cache = paged_decode_steps(*args, starts, native, num_steps=steps)
+    return (toks, toks[:, -1]), cache
 
 
 @functools.lru_cache(maxsize=16)
 def decode_step(graphdef, mesh=None, k_spec=None, v_spec=None):
-    """`_decode_step` jitted with the model's graph bound in: a static graphdef argument would be
+    """`_decode_steps` jitted with the model's graph bound in: a static graphdef argument would be
     hashed whole at every dispatch (~0.1 ms per call for the tiny model, more with depth); here it is
     hashed once, when a runner asks for its function. On a mesh: tokens replicated, the donated pool
     kept in its declared sharding."""
@@ -531,8 +509,8 @@ class StepRunner:
     def continue_decode(self, after: DecodeStep, keep: np.ndarray, steps: int = 1) -> DecodeStep | None:
         """`dispatch_decode(seqs, after=after)` for the sequences of `after` where `keep` (bool, one
         per sequence) holds, as one call of `steps` fused decode steps: every kept row has a home
-        for the `steps` positions it reaches, but for positions past `max_model_len` (dropped or
-        written to the reserved block: the row ends before reading them). The rows move on
+        for the positions whose tokens it may still use (a later position's write goes to no block
+        of its own: dropped or into the reserved block, never read). The rows move on
         column-wise (`DecodeRows.advance`), no per-sequence reads. None when no row is kept."""
         seqs, rows, width = self.rows.advance(after.seqs, after.rows, keep, after.steps, steps)
         if not seqs:
