@@ -219,7 +219,8 @@ class Engine:
             raise
         self.metrics.requests_submitted += n
         self.metrics.by_mode[self.config.mode] += n
-        self._wake.set()
+        if not self._wake.is_set():                       # the loop re-checks the inbox after clearing it
+            self._wake.set()
         return [seq.req for seq in seqs]
 
     def _check_invocation(self, adapter: str | None, prompt_ids: Seq[int]) -> None:
@@ -354,9 +355,12 @@ class Engine:
                              [s.req.request_id for s in plan.preempted])
             if plan.copies:
                 self._run_copies(plan)
-            if plan.prefill:
-                self._run_prefill(plan.prefill)
             decode = [s for s in plan.decode if not s.req.finished and s.status == DECODE]
+            if plan.prefill:
+                handoff = self.config.num_scheduler_steps > 1
+                if self._run_prefill(plan.prefill, decode if handoff else None):
+                    return                     # the step's decode call went with the prefill
+                decode = [s for s in decode if not s.req.finished and s.status == DECODE]
             if decode:
                 quiet = not plan.prefill and not self._inbox and not self.scheduler.waiting
                 self._run_decode(decode, self.config.num_scheduler_steps if quiet else 1, keep=quiet)
@@ -399,7 +403,16 @@ class Engine:
             self._load_failures.append((seq, e))
             return False
 
-    def _run_prefill(self, chunks: list[Chunk]):
+    def _run_prefill(self, chunks: list[Chunk], decode: list[Sequence] | None = None) -> bool:
+        """One prefill call for `chunks`; its first tokens go to the rows that complete their prompt.
+
+        With `decode` (async scheduling, num_scheduler_steps > 1: the running sequences this step
+        decodes, possibly none) the step's first decode call is dispatched right behind the prefill,
+        before the host has read the prefill's tokens (`_hand_off`): it holds `decode` and the
+        sequences this prefill completes, which take their input token from the prefill's output on
+        the device. The host's handling of the prefill then overlaps that decode call, and the
+        prefill -> decode boundary is no host round trip (vLLM v1's async scheduling). Returns
+        whether the step's decode call was made (then it is processed or left in flight here)."""
         try:
             call = self.step_runner.prefill_call(chunks)
         except Exception:  # noqa: BLE001 - host-side data of one of these requests: find it
@@ -409,35 +422,44 @@ class Engine:
             else:
                 for ch in chunks:
                     self._run_prefill([ch])
-            return
+            return False
         try:
             out = self.step_runner.run(call)
+        except Exception:  # noqa: BLE001 - the call could not be made: retry chunk by chunk
+            self._prefill_failed(chunks)
+            return False
+        first, handed = self._hand_off(chunks, out, decode) if decode is not None else (None, set())
+        try:
             host = to_host(out)
-        except Exception:  # noqa: BLE001
-            ids_ = [ch.seq.req.request_id for ch in chunks]
-            log.exception("prefill step failed for requests %s", ids_)
+        except Exception:  # noqa: BLE001 - the call failed on the device
+            if not handed:
+                self._prefill_failed(chunks)
+                return False
+            # the handed-off sequences are already decoding: not retried chunk by chunk, failed
+            # (the device failed, not one request's data: a data error fails the dispatch above)
+            log.exception("prefill step failed on the device for requests %s", [ch.seq.req.request_id for ch in chunks])
             self.metrics.step_failures["prefill"] += 1
             self._recover_cache()
-            if len(chunks) > 1:
-                for ch in chunks:
-                    if not ch.seq.req.finished and ch.seq.num_computed == ch.start and ch.seq.blocks:
-                        self._run_prefill([ch])
-            elif not chunks[0].seq.req.finished:
-                self._terminate(chunks[0].seq.req, error=_engine_failure("prefilling its prompt", chunks[0].seq.req))
-            return
+            for ch in chunks:
+                if ch.seq in handed or len(chunks) == 1:
+                    self._terminate(ch.seq.req, error=_engine_failure("prefilling its prompt", ch.seq.req))
+            return False
         nxt = host["tokens"]
         with self._state:
             for r, ch in enumerate(chunks):
                 seq = ch.seq
-                if seq.req.finished or seq.num_computed != ch.start:
+                early = seq in handed                           # its bookkeeping was done by `_hand_off`
+                if seq.req.finished or not early and seq.num_computed != ch.start:
                     continue
-                seq.num_computed += ch.length
-                self.metrics.prompt_tokens += ch.length
-                self.scheduler.register_computed(seq)
+                if not early:
+                    seq.num_computed += ch.length
+                    self.metrics.prompt_tokens += ch.length
+                    self.scheduler.register_computed(seq)
                 if seq.prompt_logprobs and "prompt_logprob" in host:
                     self._record_prompt_logprobs(seq, ch, host, r)
                 if seq.num_computed == len(seq.tokens):
-                    self.scheduler.prefill_done(seq)           # decodes next (PreFT: its adapter slot is free)
+                    if not early:
+                        self.scheduler.prefill_done(seq)       # decodes next (PreFT: its adapter slot is free)
                     if seq.prompt_logprobs:
                         for s_ in [seq, *seq.forks]:
                             s_.req.emit(("prompt_logprobs", seq.prompt_logprobs))
@@ -446,6 +468,71 @@ class Engine:
                     self._accept_safely(seq, int(nxt[r]), token_entry(host, r, seq.req.sampling.logprobs))
                     for kid, tok, lp in forks:
                         self._accept_safely(kid, tok, lp)
+        if first is None:
+            return False
+        quiet = not self._inbox and not self.scheduler.waiting
+        self._inflight = first
+        self._run_decode(None, self.config.num_scheduler_steps - 1 if quiet else 0, keep=quiet)
+        return True
+
+    def _prefill_failed(self, chunks: list[Chunk]) -> None:
+        """A prefill call failed: rebuild the pool if it was consumed, then retry chunk by chunk (only
+        the chunk that fails by itself fails its request)."""
+        log.exception("prefill step failed for requests %s", [ch.seq.req.request_id for ch in chunks])
+        self.metrics.step_failures["prefill"] += 1
+        self._recover_cache()
+        if len(chunks) > 1:
+            for ch in chunks:
+                if not ch.seq.req.finished and ch.seq.num_computed == ch.start and ch.seq.blocks:
+                    self._run_prefill([ch])
+        elif not chunks[0].seq.req.finished:
+            self._terminate(chunks[0].seq.req, error=_engine_failure("prefilling its prompt", chunks[0].seq.req))
+
+    def _hand_off(self, chunks: list[Chunk], out, decode: list[Sequence]) -> tuple[DecodeStep | None, set]:
+        """Dispatches the step's first decode call right behind the prefill call `out` (not read
+        yet): the rows of `decode` (input tokens from the host) and the sequences whose prompt (or
+        recompute) this prefill completes, with room for a token after the first and a KV home for
+        its position, and no parallel samples waiting on their prefill (their first tokens come
+        from its logits); those take their input token from the prefill's output on the device.
+        Their prefill bookkeeping (computed positions, prefix-cache blocks, PreFT's slot unpinned:
+        the prefill call holds the bank it read) is done here, before the tokens are known.
+        Returns (the decode call, the handed-off sequences); (None, empty) when there is no row or
+        the call cannot be made (the rows then decode as usual, next step)."""
+        c = self.config
+        handed, rows = [], []
+        with self._state:
+            for r, ch in enumerate(chunks):
+                s, req = ch.seq, ch.seq.req
+                n = ch.start + ch.length                        # positions computed after this call
+                if (req.finished or s.forks or s.num_computed != ch.start or n != len(s.tokens)
+                        or min(req.sampling.max_new_tokens - len(req.tokens), c.max_model_len - n) < 2
+                        or not self.scheduler.grow(s, n + 1)):
+                    continue
+                s.num_computed = n
+                self.metrics.prompt_tokens += ch.length
+                self.scheduler.register_computed(s)
+                self.scheduler.prefill_done(s)
+                handed.append(s)
+                rows.append(r)
+        seqs = decode + handed
+        if not seqs:
+            return None, set()
+        src = np.full(len(seqs), -1, np.int32)
+        src[len(decode):] = rows
+        try:
+            first = self.step_runner.dispatch_decode(seqs, handoff=(out, src))
+        except Exception:  # noqa: BLE001 - not attributable: every row of the call is affected
+            log.exception("decode step failed; failing requests %s", [s.req.request_id for s in seqs])
+            self.metrics.step_failures["decode"] += 1
+            for s in seqs:
+                self._terminate(s.req, error=_engine_failure("decoding", s.req))
+            self._recover_cache()
+            return None, set(handed)
+        # tokens each row may still generate, the handed rows' first (not seen yet) counted
+        first.room = np.fromiter(
+            [min(s.req.sampling.max_new_tokens - len(s.req.tokens), c.max_model_len - len(s.tokens))
+             for s in seqs], np.int64, len(seqs)) - (src >= 0)
+        return first, set(handed)
 
     def _record_prompt_logprobs(self, seq: Sequence, ch: Chunk, host: dict, r: int):
         k = seq.req.sampling.prompt_logprobs

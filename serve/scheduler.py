@@ -231,11 +231,15 @@ class Scheduler:
     def _lookup_prefix(self, seq: Sequence) -> None:
         """Takes cached blocks for the sequence's leading full blocks (never its last token's block;
         none when the request wants log-probabilities of its prompt tokens: they are computed)."""
-        key, seq.first_adapted = self._identity_and_policy(seq)
         bs = self.config.block_size
         usable = (len(seq.tokens) - 1) // bs          # the last token must be computed
         if seq.req.sampling.prompt_logprobs is not None:
             usable = 0
+        if not self.pool.enable_prefix_cache:         # nothing to look up or register: no hashes
+            self.pool.count_miss(usable)
+            seq.blocks, seq.registered, seq.num_computed = [], 0, 0
+            return
+        key, seq.first_adapted = self._identity_and_policy(seq)
         seq.hashes = block_hashes(seq.tokens, bs, seq.first_adapted, key)
         hits = []
         for h in seq.hashes[:usable]:
@@ -253,7 +257,7 @@ class Scheduler:
         """Registers the sequence's newly completed full blocks in the prefix cache."""
         bs = self.config.block_size
         full = seq.num_computed // bs
-        if full <= seq.registered:
+        if full <= seq.registered or not self.pool.enable_prefix_cache:
             return
         if seq.hashes is None or len(seq.hashes) < full:
             key, fa = self._identity_and_policy(seq)

@@ -6,6 +6,7 @@ jitted call. The loop (serve/engine.py) decides what runs; the scheduler never t
     out = runner.run(runner.prefill_call(chunks))      # one prefill call, dispatched (asynchronous)
     step = runner.dispatch_decode(seqs)                # one decode call over the persistent decode rows
     step = runner.dispatch_decode(seqs, after=step)    # pipelined: input tokens stay on the device
+    step = runner.dispatch_decode(seqs, handoff=(out, src))   # first tokens from a prefill not read yet
     host = to_host(step.out)                           # the one host transfer of a call
     token_entry(host, r, k), prompt_entry(host, r, j, k)   # decoding its log-prob arrays
     runner.sample_forks(logits, row, seqs, logprobs)   # n > 1: first tokens from one prefill's logits
@@ -130,6 +131,13 @@ def _decode_steps(graphdef, state, packed, prev_tokens, cache, bank, native, *, 
     return (toks, toks[:, -1]), cache
 
 
+@jax.jit
+def handoff_tokens(prefill_tokens, src):
+    """A decode call's input tokens [R] from a prefill call's sampled tokens [P] (not read by the
+    host): decode row i takes prefill row src[i] (-1: none, 0; such a row's token comes from the host)."""
+    return jnp.where(src >= 0, prefill_tokens[jnp.maximum(src, 0)], 0).astype(jnp.int32)
+
+
 @functools.lru_cache(maxsize=16)
 def decode_step(graphdef, mesh=None, k_spec=None, v_spec=None):
     """`_decode_steps` jitted with the model's graph bound in: a static graphdef argument would be
@@ -243,9 +251,12 @@ class DecodeRows:
         self.logprob_rows = 0                # rows that asked for log-probabilities
         self.adapted_rows = 0                # rows whose generated tokens use their adapter (slot pinned)
 
-    def update(self, seqs: list[Sequence], ahead: int) -> tuple[np.ndarray, int, bool]:
+    def update(self, seqs: list[Sequence], ahead: int, handed: np.ndarray | None = None) -> tuple[np.ndarray, int, bool]:
         """Makes the rows hold exactly `seqs` at their next position (+ `ahead` tokens dispatched but
-        not yet seen). Returns (row of each sequence, block-table width needed, whether a row was filled).
+        not yet seen). `handed` (bool per sequence, with ahead 0): the sequence's input token is the
+        output of a prefill call the host has not read (its computed positions already count the
+        prompt, its tokens lack that first one). Returns (row of each sequence, block-table width
+        needed, whether a row was filled).
         Per row only attribute reads in list comprehensions; the buffer is written column-wise (numpy),
         so a decode step's host cost grows slowly with its rows."""
         row_of, bs, admitted = self.row_of, self.block_size, self._admitted
@@ -256,12 +267,15 @@ class DecodeRows:
         rows_l = [row_of.get(s) for s in seqs]
         filled = None in rows_l or any(admitted[r] != s.admitted_at for r, s in zip(rows_l, seqs))
         if filled:                                         # new (or re-admitted) sequences: fill their rows
+            new = []
             for i, s in enumerate(seqs):
                 r = rows_l[i]
                 if r is None or admitted[r] != s.admitted_at:
                     if r is not None:
                         self.release(s)
-                    rows_l[i] = self._fill(s)
+                    new.append(i)
+            for i, r in zip(new, self._fill([seqs[i] for i in new])):
+                rows_l[i] = r
         rows = np.array(rows_l, np.int32)
         pos = np.fromiter([s.num_computed for s in seqs], np.int64, len(seqs)) + ahead
         lens = np.fromiter([len(s.blocks) for s in seqs], np.int64, len(seqs))
@@ -274,10 +288,16 @@ class DecodeRows:
         self.block_tables[rows, b] = block                 # a copy-on-write replaces the written block
         self.context_lens[rows] = pos
         self.write_index[rows] = block * bs + pos % bs
-        self.counters[rows] = np.fromiter([len(s.req.tokens) for s in seqs], np.int64, len(seqs)) + ahead
+        counters = np.fromiter([len(s.req.tokens) for s in seqs], np.int64, len(seqs)) + ahead
         self.from_prev[rows] = ahead                       # its token: the previous call's output
-        if not ahead:
+        if handed is not None:                             # its token: the prefill's output
+            counters += handed
+            self.from_prev[rows] = handed
+            host = np.flatnonzero(~handed).tolist()
+            self.tokens[rows[host]] = [seqs[i].tokens[q] for i, q in zip(host, pos[host].tolist())]
+        elif not ahead:
             self.tokens[rows] = [s.tokens[q] for s, q in zip(seqs, pos.tolist())]
+        self.counters[rows] = counters
         return rows, int(b.max(initial=0)) + 1, filled
 
     def advance(self, prev_seqs: list[Sequence], prev_rows: np.ndarray, keep: np.ndarray, by: int = 1,
@@ -309,19 +329,29 @@ class DecodeRows:
         self.from_prev[rows] = 1
         return seqs, rows, int(last.max(initial=0)) + 1
 
-    def _fill(self, s: Sequence) -> int:
-        r = heapq.heappop(self._free)
-        self.row_of[s] = r
-        self._admitted[r], self._blocks[r] = s.admitted_at, 0
-        self.chunk_lens[r], self.prompt_lens[r] = 1, s.plen
-        self.adapter_ids[r] = 0 if s.ref is None else s.ref.slot     # PreFT: unpinned by now, so 0
-        self.adapter_starts[r] = s.adapter_start or 0
-        self.adapted_rows += int(self.adapter_ids[r] != 0)
-        sp = s.req.sampling
-        self.temperature[r], self.top_p[r], self.top_k[r] = sp.temperature, sp.top_p, sp.top_k
-        self.key_data[r] = s.req.key_data
-        self.logprob_rows += sp.logprobs is not None
-        return r
+    def _fill(self, seqs: list[Sequence]) -> list[int]:
+        """Takes the lowest free rows for `seqs` and writes their per-request columns, column-wise."""
+        rows = [heapq.heappop(self._free) for _ in seqs]
+        for s, r in zip(seqs, rows):
+            self.row_of[s] = r
+        idx = np.array(rows, np.int64)
+        n = len(seqs)
+        for s, r in zip(seqs, rows):
+            self._admitted[r] = s.admitted_at
+        self._blocks[idx] = 0
+        self.chunk_lens[idx] = 1
+        self.prompt_lens[idx] = np.fromiter([s.plen for s in seqs], np.int64, n)
+        ids = np.fromiter([0 if s.ref is None else s.ref.slot for s in seqs], np.int64, n)   # PreFT: unpinned by now, so 0
+        self.adapter_ids[idx] = ids
+        self.adapter_starts[idx] = np.fromiter([s.adapter_start or 0 for s in seqs], np.int64, n)
+        self.adapted_rows += int(np.count_nonzero(ids))
+        sps = [s.req.sampling for s in seqs]
+        self.temperature[idx] = np.fromiter([sp.temperature for sp in sps], np.float32, n)
+        self.top_p[idx] = np.fromiter([sp.top_p for sp in sps], np.float32, n)
+        self.top_k[idx] = np.fromiter([sp.top_k for sp in sps], np.int64, n)
+        self.key_data[idx] = np.array([s.req.key_data for s in seqs], np.uint32).reshape(n, 2)
+        self.logprob_rows += sum(sp.logprobs is not None for sp in sps)
+        return rows
 
     def release(self, s: Sequence) -> None:
         """Frees the sequence's row (padding from now on)."""
@@ -449,11 +479,14 @@ class StepRunner:
         row's token index is the number of tokens its request has generated."""
         temp, top_p, top_k = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32)
         key_data, counters = np.zeros((n, 2), np.uint32), np.zeros(n, np.int32)
-        for i, s in enumerate(seqs):
-            sp = s.req.sampling
-            temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
-            key_data[i] = s.req.key_data
-            counters[i] = len(s.req.tokens)
+        m = len(seqs)
+        if m:
+            sps = [s.req.sampling for s in seqs]
+            temp[:m] = np.fromiter([sp.temperature for sp in sps], np.float32, m)
+            top_p[:m] = np.fromiter([sp.top_p for sp in sps], np.float32, m)
+            top_k[:m] = np.fromiter([sp.top_k for sp in sps], np.int64, m)
+            key_data[:m] = np.array([s.req.key_data for s in seqs], np.uint32).reshape(m, 2)
+            counters[:m] = np.fromiter([len(s.req.tokens) for s in seqs], np.int64, m)
         return temp, top_p, top_k, key_data, counters
 
     # ---- prefill ---------------------------------------------------------------------------
@@ -476,19 +509,28 @@ class StepRunner:
         ids, starts = np.zeros(P, np.int32), np.zeros(P, np.int32)
         bt = np.full((P, nb), NULL_BLOCK, np.int32)
         next_tokens = np.zeros((P, C), np.int32) if prompt_logprobs else None   # the token each position predicts
+        n = len(chunks)
+        homes = np.zeros((n, max((len(ch.seq.blocks) for ch in chunks), default=0) + 1), np.int64)
         for r, ch in enumerate(chunks):
             s = ch.seq
             tokens[r, :ch.length] = s.tokens[ch.start:ch.start + ch.length]
-            ctx[r], clen[r], plen[r] = ch.start, ch.length, s.plen
-            pos = np.arange(ch.start, ch.start + ch.length)
-            widx[r, :ch.length] = np.asarray(s.blocks, np.int32)[pos // bs] * bs + pos % bs
-            ids[r] = 0 if s.ref is None else s.ref.slot
-            starts[r] = s.adapter_start or 0
-            ctx_blocks = s.blocks[:-(-ch.start // bs)]
-            bt[r, :len(ctx_blocks)] = ctx_blocks
+            homes[r, :len(s.blocks)] = s.blocks
             if next_tokens is not None:
                 nxt = s.tokens[ch.start + 1:ch.start + ch.length + 1]
                 next_tokens[r, :len(nxt)] = nxt
+        if n:                                      # per-row columns and write indices, column-wise
+            seqs = [ch.seq for ch in chunks]
+            ctx[:n] = np.fromiter([ch.start for ch in chunks], np.int64, n)
+            clen[:n] = np.fromiter([ch.length for ch in chunks], np.int64, n)
+            plen[:n] = np.fromiter([s.plen for s in seqs], np.int64, n)
+            ids[:n] = np.fromiter([0 if s.ref is None else s.ref.slot for s in seqs], np.int64, n)
+            starts[:n] = np.fromiter([s.adapter_start or 0 for s in seqs], np.int64, n)
+            pos = ctx[:n, None].astype(np.int64) + np.arange(C)                     # [n, C]
+            home = np.take_along_axis(homes, np.minimum(pos // bs, homes.shape[1] - 1), 1)
+            widx[:n] = np.where(np.arange(C) < clen[:n, None], home * bs + pos % bs, self.drop_index)
+            ctx_blocks = -(-ctx[:n, None] // bs)                                      # blocks before the chunk
+            w = min(nb, homes.shape[1])
+            bt[:n, :w] = np.where(np.arange(w) < ctx_blocks, homes[:, :w], NULL_BLOCK)
         samp = self.sampling_rows([ch.seq for ch in chunks], P)
         # host arrays: the jitted call's dispatch moves them (~0.1 ms for the lot; a jax.device_put of
         # the same 14 arrays first cost ~0.3-0.5 ms of host time per prefill call)
@@ -497,10 +539,22 @@ class StepRunner:
                            prompt_logprobs=prompt_logprobs)
 
     # ---- decode ----------------------------------------------------------------------------
-    def dispatch_decode(self, seqs: list[Sequence], after: DecodeStep | None = None) -> DecodeStep:
+    def dispatch_decode(self, seqs: list[Sequence], after: DecodeStep | None = None,
+                        handoff: tuple[object, np.ndarray] | None = None) -> DecodeStep:
         """One decode call for `seqs` (each at its next position), dispatched. With `after` (the
         previous decode call, not yet seen by the host; `seqs` a subset of its sequences) each row's
-        input token is that call's output at the same row, and positions are one further."""
+        input token is that call's output at the same row, and positions are one further. With
+        `handoff` (a prefill call's output, not read yet, and per sequence its row there or -1)
+        those sequences' input token is their row of that output (`handoff_tokens`, on the device),
+        the others' comes from the host."""
+        if handoff is not None:
+            out, src = handoff
+            rows, width, _ = self.rows.update(seqs, 0, src >= 0)
+            by_row = np.full(self.rows.size, -1, np.int32)
+            by_row[rows] = src
+            with self.model.mesh_context():
+                prev = handoff_tokens(_tokens_of(out), by_row)
+            return self._dispatch(seqs, rows, width, None, prev=prev)
         rows, width, filled = self.rows.update(seqs, 0 if after is None else 1)
         if after is not None and filled:
             raise RuntimeError("a pipelined decode call can only continue the previous call's rows")
@@ -522,8 +576,9 @@ class StepRunner:
         while a row asks for log-probabilities (a fused call returns tokens only)."""
         return 1 if self.rows.logprob_rows else self.config.decode_steps_per_call
 
-    def _dispatch(self, seqs, rows, width, after, steps: int = 1):
-        prev = self._no_prev if after is None else _tokens_of(after.out)
+    def _dispatch(self, seqs, rows, width, after, steps: int = 1, prev=None):
+        if prev is None:
+            prev = self._no_prev if after is None else _tokens_of(after.out)
         out = self.run(self._decode(self.rows, bucket(width, self.block_buckets), prev, steps))
         return DecodeStep(seqs, rows, out, self.rows.context_lens[rows].astype(np.int64), steps=steps)
 
@@ -564,8 +619,13 @@ class StepRunner:
                 for nb in self.prefill_block_buckets]
 
     def compile_prefill(self, P: int, C: int, nb: int, logprobs: bool = False, prompt_logprobs: bool = False):
-        """Runs the prefill program of this shape on padding rows (every write dropped); returns its logits."""
-        return jax.block_until_ready(self.run(self._prefill([], P, C, nb, logprobs, prompt_logprobs))["logits"])
+        """Runs the prefill program of this shape on padding rows (every write dropped), and with
+        async scheduling the hand-off of its tokens to a decode call (`handoff_tokens`); returns its logits."""
+        out = self.run(self._prefill([], P, C, nb, logprobs, prompt_logprobs))
+        if self.config.num_scheduler_steps > 1:
+            with self.model.mesh_context():
+                jax.block_until_ready(handoff_tokens(_tokens_of(out), np.full(self.rows.size, -1, np.int32)))
+        return jax.block_until_ready(out["logits"])
 
     def compile_decode(self, nb: int, logprobs: bool = False, adapted: bool = False, steps: int = 1) -> None:
         """Runs the decode program with `nb`-wide block tables on padding rows (the same program
