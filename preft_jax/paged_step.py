@@ -180,11 +180,34 @@ def sharded_paged_step(mesh: jax.sharding.Mesh, cache_shardings: PagedKVCache):
     return _sharded_paged_step(mesh, cache_shardings.k.spec, cache_shardings.v.spec)
 
 
+def step_out_shardings(mesh, k_spec, v_spec) -> dict:
+    """jit's out_shardings of a step on `mesh`: outputs replicated, the pool in its declared sharding."""
+    if mesh is None:
+        return {}
+    named = functools.partial(jax.sharding.NamedSharding, mesh)
+    return {"out_shardings": (named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec)))}
+
+
 @functools.lru_cache(maxsize=16)
 def _sharded_paged_step(mesh, k_spec, v_spec):
-    named = functools.partial(jax.sharding.NamedSharding, mesh)
     return jax.jit(_paged_step, static_argnums=0, static_argnames=_STATIC, donate_argnames=("cache",),
-                   out_shardings=(named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec))))
+                   **step_out_shardings(mesh, k_spec, v_spec))
+
+
+def bind_paged_step(graphdef, mesh: jax.sharding.Mesh | None = None, cache_shardings: PagedKVCache | None = None):
+    """`paged_step` (with a mesh: `sharded_paged_step`) with the model's graph bound in, called as
+    f(state, tokens, batch, cache, ...): a static graphdef argument is hashed at every dispatch
+    (~20 us for the tiny model, more with depth), a bound one once, here. One jitted function
+    (and compile cache) per (graph, mesh, cache sharding)."""
+    if mesh is None:
+        return _bound_paged_step(graphdef, None, None, None)
+    return _bound_paged_step(graphdef, mesh, cache_shardings.k.spec, cache_shardings.v.spec)
+
+
+@functools.lru_cache(maxsize=16)
+def _bound_paged_step(graphdef, mesh, k_spec, v_spec):
+    return jax.jit(functools.partial(_paged_step, graphdef), static_argnames=_STATIC, donate_argnames=("cache",),
+                   **step_out_shardings(mesh, k_spec, v_spec))
 
 
 @functools.partial(jax.jit, static_argnames=("logprobs",))

@@ -47,7 +47,8 @@ from preft_jax import native_decode
 from preft_jax import sharding as shd
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
-from preft_jax.paged_step import copy_blocks, paged_decode_steps, paged_step, sample_rows, sharded_paged_step
+from preft_jax.paged_step import (bind_paged_step, copy_blocks, paged_decode_steps, paged_step, sample_rows,
+                                  step_out_shardings)
 from serve.engine_config import EngineConfig
 from serve.kv_blocks import NULL_BLOCK
 from serve.registry import AdapterRegistry
@@ -144,12 +145,8 @@ def decode_step(graphdef, mesh=None, k_spec=None, v_spec=None):
     hashed whole at every dispatch (~0.1 ms per call for the tiny model, more with depth); here it is
     hashed once, when a runner asks for its function. On a mesh: tokens replicated, the donated pool
     kept in its declared sharding."""
-    kw = {}
-    if mesh is not None:
-        named = functools.partial(jax.sharding.NamedSharding, mesh)
-        kw["out_shardings"] = (named(jax.sharding.PartitionSpec()), PagedKVCache(named(k_spec), named(v_spec)))
     return jax.jit(functools.partial(_decode_steps, graphdef), static_argnames=("attention", "logprobs", "steps"),
-                   donate_argnames=("cache",), **kw)
+                   donate_argnames=("cache",), **step_out_shardings(mesh, k_spec, v_spec))
 
 
 @dataclasses.dataclass
@@ -379,12 +376,12 @@ class StepRunner:
         self.mesh = model.mesh
         cfg, bs = model.cfg, config.block_size
         self.drop_index = num_blocks * bs                   # a write here is dropped (padding)
-        self._step_fn, self._decode_fn, self.cache_shardings = paged_step, decode_step(model.graphdef), None
+        self._step_fn, self._decode_fn, self.cache_shardings = bind_paged_step(model.graphdef), decode_step(model.graphdef), None
         no_prev = jax.devices()[0]                          # placed as a call's output tokens are
         if self.mesh is not None:
             abstract = jax.eval_shape(lambda: PagedKVCache.create(cfg, num_blocks, bs, model.dtype))
             self.cache_shardings = shd.cache_shardings(abstract, self.mesh, cfg)
-            self._step_fn = sharded_paged_step(self.mesh, self.cache_shardings)
+            self._step_fn = bind_paged_step(model.graphdef, self.mesh, self.cache_shardings)
             self._decode_fn = decode_step(model.graphdef, self.mesh, self.cache_shardings.k.spec,
                                           self.cache_shardings.v.spec)
             no_prev = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -469,7 +466,7 @@ class StepRunner:
         temp, top_p, top_k, key_data, counters = call.sampling
         with self.model.mesh_context():
             return self._step_fn(
-                self.model.graphdef, self.model.state, call.tokens, call.batch, cache, call.bank,
+                self.model.state, call.tokens, call.batch, cache, call.bank,
                 None if call.bank is None else call.adapter_ids, call.prompt_lens, temp, top_p, top_k,
                 (key_data, counters), call.next_tokens, None, None if call.bank is None else call.adapter_starts,
                 logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs, return_logits=call.return_logits)

@@ -24,17 +24,19 @@ def _seq(rng, i) -> Sequence:
     return s
 
 
-def _reference(seqs, rows, ahead, got):
+def _reference(seqs, rows, ahead, got, handed=None):
     """The row inputs built from scratch: the buffer a call must carry (padding rows zero, but for
     their dropped write, prompt length 1 and top_p 1). A pipelined call's rows take their token from
-    the previous call on the device: their host token is not read (copied from `got`)."""
+    the previous call on the device: their host token is not read (copied from `got`); so do
+    `handed` rows (a prefill's first token, not read: it is the token index + 1 the call samples)."""
     want = np.zeros((R, BLOCKS + MAX_BLOCKS), np.int32)
     want[:, 4], want[:, 5], want[:, 10] = DROP, 1, np.float32(1.0).view(np.int32)
-    for s, r in zip(seqs, rows):
+    for i, (s, r) in enumerate(zip(seqs, rows)):
         p = s.num_computed + ahead
         sp = s.req.sampling
-        want[r, :11] = [got[r, 0] if ahead else s.tokens[p], ahead, p, 1, s.blocks[p // BS] * BS + p % BS, s.plen, 0, sp.top_k,
-                        len(s.req.tokens) + ahead, np.float32(sp.temperature).view(np.int32),
+        dev = ahead or (handed is not None and bool(handed[i]))
+        want[r, :11] = [got[r, 0] if dev else s.tokens[p], int(dev), p, 1, s.blocks[p // BS] * BS + p % BS, s.plen, 0,
+                        sp.top_k, len(s.req.tokens) + int(dev), np.float32(sp.temperature).view(np.int32),
                         np.float32(sp.top_p).view(np.int32)]
         want[r, 11:13] = s.req.key_data.view(np.int32)
         want[r, BLOCKS:BLOCKS + len(s.blocks)] = s.blocks
@@ -48,6 +50,7 @@ def test_decode_rows_equal_a_rebuild_from_the_sequences():
     running: list[Sequence] = []
     fresh = 12
     for step in range(300):
+        ahead = int(step % 3 == 2)                                    # a pipelined call now and then
         op = rng.integers(0, 5)
         idle = [s for s in pool if s not in running]
         if op == 0 and len(running) < R and idle:                     # a sequence joins (prefill done)
@@ -60,19 +63,21 @@ def test_decode_rows_equal_a_rebuild_from_the_sequences():
             s.blocks = rng.permutation(np.arange(1, 200))[:len(s.blocks)].tolist()
         elif op == 3 and running:                                     # copy-on-write of the written block
             s = running[int(rng.integers(0, len(running)))]
-            if s.num_computed // BS < len(s.blocks):
-                s.blocks[s.num_computed // BS] = int(rng.integers(200, 300))
-        ahead = int(step % 3 == 2)                                    # a pipelined call now and then
+            if (s.num_computed + ahead) // BS < len(s.blocks):
+                s.blocks[(s.num_computed + ahead) // BS] = int(rng.integers(200, 300))
         seqs = list(running)
         if not seqs:
             continue
+        # now and then some rows' tokens come from a prefill's output (async scheduling's hand-off)
+        handed = rng.random(len(seqs)) < 0.5 if step % 3 == 1 else None
         for s in seqs:                                                # a home for the written position
             while len(s.blocks) * BS <= s.num_computed + ahead and len(s.blocks) < MAX_BLOCKS:
                 s.blocks.append(int(rng.integers(300, 400)))
-        got_rows, width, _ = rows.update(seqs, ahead)
+        got_rows, width, _ = rows.update(seqs, ahead, handed)
         assert len(set(got_rows.tolist())) == len(seqs) and width == max((s.num_computed + ahead) // BS + 1
                                                                          for s in seqs)
-        np.testing.assert_array_equal(rows.buffer, _reference(seqs, got_rows, ahead, rows.buffer), err_msg=f"step {step}")
+        np.testing.assert_array_equal(rows.buffer, _reference(seqs, got_rows, ahead, rows.buffer, handed),
+                                      err_msg=f"step {step}")
         assert rows.logprob_rows == sum(s.req.sampling.logprobs is not None for s in seqs)
         for s in seqs:                                                # the call's token, accounted
             if s.num_computed + 2 < MAX_BLOCKS * BS:
