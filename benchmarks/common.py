@@ -69,8 +69,8 @@ def serve(engine, prompts, adapters, max_tokens, *, check_length: bool = True) -
     mts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     t0 = time.perf_counter()
     steps0 = engine.steps
-    handles = [engine.submit(p, a, SamplingParams(max_new_tokens=m, stop_token_ids=NO_STOP))
-               for p, a, m in zip(prompts, adapters, mts)]
+    params = {m: SamplingParams(max_new_tokens=m, stop_token_ids=NO_STOP) for m in set(mts)}   # a client reuses them
+    handles = [engine.submit(p, a, params[m]) for p, a, m in zip(prompts, adapters, mts)]
     peak, running = 0, []
     while any(not h.finished for h in handles):
         engine.step()

@@ -24,7 +24,11 @@ the previous call's output, never read back first) and, with num_scheduler_steps
 is left in flight when the step returns: the next quiet step dispatches its successor before it hands
 out its tokens, so the device never waits on the host's token handling between steps. A step with new
 work hands out the call in flight first. num_scheduler_steps=1 is synchronous (a step's tokens are out
-when it returns).
+when it returns). With num_scheduler_steps > 1 a step that prefills hands over on the device too:
+its first decode call is dispatched right behind the prefill call, before the host reads it, and
+the sequences that prefill completes take their input token from its output (`_hand_off`; the
+host's handling of the prefill overlaps that decode call: the prefill -> decode boundary is no
+host round trip).
 
 Randomness is per request: each sequence has its own key (from `SamplingParams.seed`, or drawn from
 the engine's generator seeded by `EngineConfig.seed`), folded with the index of the token being
@@ -277,11 +281,17 @@ class Engine:
 
     @property
     def limits(self) -> RequestLimits:
-        """What this engine can represent (serve/validation.py checks requests against it)."""
+        """What this engine can represent (serve/validation.py checks requests against it); built
+        once per tokenizer (a server sets one after construction)."""
+        cached = self.__dict__.get("_limits")
+        if cached is not None and cached[0] is self.tokenizer:
+            return cached[1]
         c = self.config
-        return RequestLimits(self.runner.cfg.vocab_size, c.max_model_len, c.max_num_seqs,
-                             self.pool.capacity * c.block_size, self.scheduler.fits_ever, self.tokenizer is not None,
-                             c.max_request_sequences, c.max_request_prompt_logprob_tokens)
+        limits = RequestLimits(self.runner.cfg.vocab_size, c.max_model_len, c.max_num_seqs,
+                               self.pool.capacity * c.block_size, self.scheduler.fits_ever, self.tokenizer is not None,
+                               c.max_request_sequences, c.max_request_prompt_logprob_tokens)
+        self._limits = (self.tokenizer, limits)
+        return limits
 
     # ---- state -----------------------------------------------------------------------------
     @property
