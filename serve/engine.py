@@ -480,7 +480,10 @@ class Engine:
                         self._accept_safely(kid, tok, lp)
         if first is None:
             return False
-        quiet = not self._inbox and not self.scheduler.waiting
+        # a chain (and a call left in flight) only when nothing waits for the scheduler: no request
+        # queued and no prompt part-way through its chunks (its next chunk would wait on the chain)
+        quiet = (not self._inbox and not self.scheduler.waiting
+                 and all(s.status == DECODE for s in self.scheduler.running))
         self._inflight = first
         self._run_decode(None, self.config.num_scheduler_steps - 1 if quiet else 0, keep=quiet)
         return True

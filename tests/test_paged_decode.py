@@ -214,3 +214,29 @@ def test_engine_fused_decode_call_lowers_with_kernel_and_donated_pool(platform):
     assert MARKERS[platform] in text
     pool_args = [a for a in _main_signature(text).split("%arg")[1:] if "32x8x" in a and "bf16" in a]
     assert len(pool_args) == 2 and all("tf.aliasing_output" in a for a in pool_args)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_engine_prefill_call_and_handoff_lower_with_donated_pool(platform):
+    """The serving engine's prefill call (`bind_paged_step`: the model graph bound in) lowers for the
+    accelerator from shapes only, 8B shape, 16 rows x 512-token chunks after 1024 tokens of context,
+    the pool donated; and so does the hand-off of its tokens to the next decode call
+    (`handoff_tokens`, async scheduling: [P] prefill tokens -> [R] decode rows, on the device)."""
+    from preft_jax.paged_step import bind_paged_step
+    from serve.step_runner import handoff_tokens
+    cfg, P, C, ctx, R = LLAMA_8B, 16, 512, 1024, 64
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, adapter_backend="xla"))
+    graphdef, state = nnx.split(model)
+    sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
+    nb = -(-(ctx + C) // BS)
+    pool = sds((cfg.n_layers, cfg.n_kv_heads, P * nb + 1, BS, cfg.head_dim), jnp.bfloat16)
+    batch = PagedBatch(sds((P, ctx // BS), i32), sds((P,), i32), sds((P,), i32), sds((P, C), i32), "gather")
+    text = bind_paged_step(graphdef).trace(
+        state, sds((P, C), i32), batch, PagedKVCache(pool, pool), None, None, sds((P,), i32), sds((P,), f32),
+        sds((P,), f32), sds((P,), i32), (sds((P, 2), jnp.uint32), sds((P,), i32)), None, None, None,
+        logprobs=False, prompt_logprobs=False, return_logits=True,
+    ).lower(lowering_platforms=(platform,)).as_text()
+    pool_args = [a for a in _main_signature(text).split("%arg")[1:] if "32x8x" in a and "bf16" in a]
+    assert len(pool_args) == 2 and all("tf.aliasing_output" in a for a in pool_args)
+    hand = handoff_tokens.trace(sds((P,), i32), sds((R,), i32)).lower(lowering_platforms=(platform,)).as_text()
+    assert re.search(r"@main\(%arg0: tensor<16xi32>, %arg1: tensor<64xi32>\) -> \(tensor<64xi32>", hand)

@@ -149,3 +149,21 @@ def test_handoff_makes_no_call_past_a_requests_budget(model, n):
     _drain(eng)
     assert len(r.result.tokens) == n and handoffs == [(1, 1)]
     assert len(calls) == n and calls[0] > 1 and calls[1:] == [1] * (n - 1)      # a prefill, then decodes
+
+
+def test_a_chunked_prompt_does_not_wait_on_a_decode_chain(model):
+    """While a prompt is part-way through its chunks, a step runs one decode call (the hand-off) and
+    no chain: its next chunk comes the next step, not after num_scheduler_steps decode calls."""
+    eng, _ = _engine(model, 4)
+    calls = []
+    eng.step_runner.add_call_hook(lambda call, run: calls.append("D" if call.chunk == 1 else "P") or run(call))
+    a = eng.submit([3, 4, 5], "a", SamplingParams(max_new_tokens=30, stop_token_ids=NO_STOP))
+    eng.step()
+    eng.step()
+    start = len(calls)
+    b = eng.submit(list(range(1, 41)), None, SamplingParams(max_new_tokens=3, stop_token_ids=NO_STOP))
+    _drain(eng)
+    seen = "".join(calls[start:])
+    first, last = seen.index("P"), seen.rindex("P")
+    assert seen.count("P") >= 3 and seen[first:last + 1] == "PD" * ((last - first) // 2) + "P", seen
+    assert len(a.result.tokens) == 30 and len(b.result.tokens) == 3
