@@ -88,7 +88,7 @@ from serve.kv_blocks import BlockPool
 from serve.metrics import EngineMetrics
 from serve.registry import AdapterRegistry
 from serve.request import GenerationRequest, Request, Result, new_request_id
-from serve.scheduler import DECODE, Chunk, Scheduler, SchedulerConfig, Sequence
+from serve.scheduler import DECODE, PREFILL, Chunk, Scheduler, SchedulerConfig, Sequence
 from serve.step_runner import DecodeStep, StepRunner, prompt_entry, to_host, token_entry
 from serve.validation import RequestLimits, activation_start, check_request
 from serve.warmup import freeze_heap, thaw_heap, warmup_tasks
@@ -366,9 +366,11 @@ class Engine:
             if plan.copies:
                 self._run_copies(plan)
             decode = [s for s in plan.decode if not s.req.finished and s.status == DECODE]
-            if plan.prefill:
+            # a failed block copy that lost the pool requeued the running sequences: their chunks go
+            prefill = [ch for ch in plan.prefill if ch.seq.status == PREFILL and not ch.seq.req.finished]
+            if prefill:
                 handoff = self.config.num_scheduler_steps > 1
-                if self._run_prefill(plan.prefill, decode if handoff else None):
+                if self._run_prefill(prefill, decode if handoff else None):
                     return                     # the step's decode call went with the prefill
                 decode = [s for s in decode if not s.req.finished and s.status == DECODE]
             if decode:
@@ -450,6 +452,8 @@ class Engine:
             log.exception("prefill step failed on the device for requests %s", [ch.seq.req.request_id for ch in chunks])
             self.metrics.step_failures["prefill"] += 1
             self._recover_cache()
+            with self._state:                                   # the handed rows' blocks were registered early
+                self.pool.reset_prefix_cache()
             for ch in chunks:
                 if ch.seq in handed or len(chunks) == 1:
                     self._terminate(ch.seq.req, error=_engine_failure("prefilling its prompt", ch.seq.req))
@@ -459,8 +463,8 @@ class Engine:
             for r, ch in enumerate(chunks):
                 seq = ch.seq
                 early = seq in handed                           # its bookkeeping was done by `_hand_off`
-                if seq.req.finished or not early and seq.num_computed != ch.start:
-                    continue
+                if seq.req.finished or not early and (seq.num_computed != ch.start or seq.status != PREFILL):
+                    continue                                    # ended, or requeued by a lost pool's recovery
                 if not early:
                     seq.num_computed += ch.length
                     self.metrics.prompt_tokens += ch.length
@@ -517,7 +521,7 @@ class Engine:
             for r, ch in enumerate(chunks):
                 s, req = ch.seq, ch.seq.req
                 n = ch.start + ch.length                        # positions computed after this call
-                if (req.finished or s.forks or s.num_computed != ch.start or n != len(s.tokens)
+                if (req.finished or s.status != PREFILL or s.forks or s.num_computed != ch.start or n != len(s.tokens)
                         or min(req.sampling.max_new_tokens - len(req.tokens), c.max_model_len - n) < 2
                         or not self.scheduler.grow(s, n + 1)):
                     continue

@@ -507,6 +507,9 @@ class StepRunner:
         bt = np.full((P, nb), NULL_BLOCK, np.int32)
         next_tokens = np.zeros((P, C), np.int32) if prompt_logprobs else None   # the token each position predicts
         n = len(chunks)
+        short = [ch.seq.req.request_id for ch in chunks if len(ch.seq.blocks) * bs < ch.start + ch.length]
+        if short:                                  # never: the scheduler allocates before it plans a chunk
+            raise RuntimeError(f"prefill chunks without KV blocks for all their positions: {short}")
         homes = np.zeros((n, max((len(ch.seq.blocks) for ch in chunks), default=0) + 1), np.int64)
         for r, ch in enumerate(chunks):
             s = ch.seq

@@ -167,3 +167,72 @@ def test_a_chunked_prompt_does_not_wait_on_a_decode_chain(model):
     first, last = seen.index("P"), seen.rindex("P")
     assert seen.count("P") >= 3 and seen[first:last + 1] == "PD" * ((last - first) // 2) + "P", seen
     assert len(a.result.tokens) == 30 and len(b.result.tokens) == 3
+
+
+def _alone_n(model, prompt, sp, n):
+    eng, _ = _engine(model, 1)
+    reqs = eng.submit_n(prompt, None, sp, n)
+    _drain(eng)
+    return [r.result.tokens for r in reqs]
+
+
+def test_a_handoff_call_that_loses_the_pool_leaves_the_prefills_other_rows_consistent(model):
+    """The hand-off's decode dispatch fails after consuming the pool: its rows fail (not
+    attributable), the recovery requeues the running sequences - among them a prompt of the same
+    prefill that was not handed over (its samples wait on its logits) - and that prompt is
+    recomputed, not taken as prefilled: its samples equal those of an engine without the failure,
+    and no KV block leaks."""
+    sp = SamplingParams(max_new_tokens=8, stop_token_ids=NO_STOP, temperature=1.0, seed=11)
+    want = _alone_n(model, [3, 4, 5], sp, 2)
+    eng, _ = _engine(model, 4)
+    state = {"prefill": False, "fired": False}
+
+    def hook(call, run):
+        if call.chunk > 1:
+            state["prefill"] = True
+        elif state["prefill"] and not state["fired"]:
+            state["fired"] = True
+            eng.step_runner.cache.k.delete()
+            raise RuntimeError("injected: the hand-off's decode dispatch failed after consuming the pool")
+        return run(call)
+    eng.step_runner.add_call_hook(hook)
+    xs = eng.submit_n([3, 4, 5], None, sp, 2)
+    y = eng.submit([6, 1, 2], None, SamplingParams(max_new_tokens=5, stop_token_ids=NO_STOP))
+    eng.step()
+    parent = eng.sequence(xs[0])
+    assert parent.status == "waiting" and parent.num_computed == 0 and parent in eng.scheduler.waiting
+    assert not eng.scheduler.running
+    _drain(eng)
+    assert state["fired"] and isinstance(y.error, EngineError) and "decoding" in str(y.error)
+    assert [r.result.tokens for r in xs] == want
+    assert eng.pool.num_available == eng.pool.capacity
+
+
+def test_chunks_requeued_by_a_failed_block_copy_are_not_prefilled(model):
+    """A copy-on-write that fails after consuming the pool requeues the running sequences; the
+    step's prefill chunks of those sequences are dropped, not run on blocks they no longer hold
+    (which wrote block 0 and registered all-zero K/V in the prefix cache)."""
+    sp = SamplingParams(max_new_tokens=8, stop_token_ids=NO_STOP)
+    want_z = _alone_n(model, [9, 9, 9, 9, 9, 1], SamplingParams(max_new_tokens=5, stop_token_ids=NO_STOP), 1)[0]
+    eng, _ = _engine(model, 4)
+    xs = eng.submit_n([3, 4, 5], None, sp, 2)
+    eng.step()
+    z = eng.submit([9, 9, 9, 9, 9, 1], None, SamplingParams(max_new_tokens=5, stop_token_ids=NO_STOP))
+    copy = eng.step_runner.copy_blocks
+
+    def boom(copies):
+        eng.step_runner.cache.k.delete()
+        raise RuntimeError("injected: block copy failed after consuming the pool")
+    eng.step_runner.copy_blocks = boom
+    eng.step()
+    eng.step_runner.copy_blocks = copy
+    zs = eng.sequence(z)
+    assert zs.status == "waiting" and zs.blocks == [] and zs in eng.scheduler.waiting
+    assert not eng.pool._by_hash                               # nothing registered from the dropped chunk
+    _drain(eng)
+    assert all(isinstance(r.error, EngineError) for r in xs)  # the decoding samples failed with the copy
+    assert z.result.tokens == want_z
+    assert eng.pool.num_available == eng.pool.capacity
+    w = eng.submit([9, 9, 9, 9, 9, 1], None, SamplingParams(max_new_tokens=5, stop_token_ids=NO_STOP))
+    _drain(eng)
+    assert w.result.tokens == want_z                          # no poisoned prefix-cache entry
