@@ -515,15 +515,13 @@ class Engine:
         the prefill call holds the bank it read) is done here, before the tokens are known.
         Returns (the decode call, the handed-off sequences); (None, empty) when there is no row or
         the call cannot be made (the rows then decode as usual, next step)."""
-        c = self.config
         handed, rows = [], []
         with self._state:
             for r, ch in enumerate(chunks):
                 s, req = ch.seq, ch.seq.req
                 n = ch.start + ch.length                        # positions computed after this call
                 if (req.finished or s.status != PREFILL or s.forks or s.num_computed != ch.start or n != len(s.tokens)
-                        or min(req.sampling.max_new_tokens - len(req.tokens), c.max_model_len - n) < 2
-                        or not self.scheduler.grow(s, n + 1)):
+                        or self._room([s])[0] < 2 or not self.scheduler.grow(s, n + 1)):
                     continue
                 s.num_computed = n
                 self.metrics.prompt_tokens += ch.length
@@ -545,10 +543,7 @@ class Engine:
                 self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
             return None, set(handed)
-        # tokens each row may still generate, the handed rows' first (not seen yet) counted
-        first.room = np.fromiter(
-            [min(s.req.sampling.max_new_tokens - len(s.req.tokens), c.max_model_len - len(s.tokens))
-             for s in seqs], np.int64, len(seqs)) - (src >= 0)
+        first.room = self._room(seqs) - (src >= 0)       # the handed rows' first token is not seen yet
         return first, set(handed)
 
     def _record_prompt_logprobs(self, seq: Sequence, ch: Chunk, host: dict, r: int):
@@ -627,9 +622,7 @@ class Engine:
                     if not rows:
                         break
                     pending = self.step_runner.dispatch_decode(rows)
-                    pending.room = np.fromiter(                 # tokens each row may still generate
-                        [min(s.req.sampling.max_new_tokens - len(s.req.tokens), c.max_model_len - len(s.tokens))
-                         for s in rows], np.int64, len(rows))
+                    pending.room = self._room(rows)
                     continue
                 prev = pending
                 pending = self._continue_decode(prev)
@@ -647,6 +640,12 @@ class Engine:
             for s in seqs:
                 self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
+
+    def _room(self, seqs: list[Sequence]) -> np.ndarray:
+        """Tokens each sequence may still generate (its request's budget, the context length)."""
+        c = self.config
+        return np.fromiter([min(s.req.sampling.max_new_tokens - len(s.req.tokens), c.max_model_len - len(s.tokens))
+                            for s in seqs], np.int64, len(seqs))
 
     def _continue_decode(self, prev: DecodeStep) -> DecodeStep | None:
         """The next call of a pipelined chain, dispatched before the host has seen `prev`'s tokens:

@@ -104,6 +104,15 @@ def _tokens_of(out):
     return out["tokens"] if isinstance(out, dict) else out
 
 
+def sampling_columns(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(temperature f32, top_p f32, top_k int64, key data uint32 [n, 2]) of `seqs`' requests."""
+    n, sps = len(seqs), [s.req.sampling for s in seqs]
+    return (np.fromiter([sp.temperature for sp in sps], np.float32, n),
+            np.fromiter([sp.top_p for sp in sps], np.float32, n),
+            np.fromiter([sp.top_k for sp in sps], np.int64, n),
+            np.array([s.req.key_data for s in seqs], np.uint32).reshape(n, 2))
+
+
 # Columns of a decode row in `DecodeRows.buffer` (int32; floats and key data stored as their bits),
 # then the row's block table.
 TOKEN, FROM_PREV, CONTEXT, CHUNK, WRITE, PROMPT, ADAPTER, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(12)
@@ -331,10 +340,9 @@ class DecodeRows:
         rows = [heapq.heappop(self._free) for _ in seqs]
         for s, r in zip(seqs, rows):
             self.row_of[s] = r
+            self._admitted[r] = s.admitted_at
         idx = np.array(rows, np.int64)
         n = len(seqs)
-        for s, r in zip(seqs, rows):
-            self._admitted[r] = s.admitted_at
         self._blocks[idx] = 0
         self.chunk_lens[idx] = 1
         self.prompt_lens[idx] = np.fromiter([s.plen for s in seqs], np.int64, n)
@@ -342,12 +350,8 @@ class DecodeRows:
         self.adapter_ids[idx] = ids
         self.adapter_starts[idx] = np.fromiter([s.adapter_start or 0 for s in seqs], np.int64, n)
         self.adapted_rows += int(np.count_nonzero(ids))
-        sps = [s.req.sampling for s in seqs]
-        self.temperature[idx] = np.fromiter([sp.temperature for sp in sps], np.float32, n)
-        self.top_p[idx] = np.fromiter([sp.top_p for sp in sps], np.float32, n)
-        self.top_k[idx] = np.fromiter([sp.top_k for sp in sps], np.int64, n)
-        self.key_data[idx] = np.array([s.req.key_data for s in seqs], np.uint32).reshape(n, 2)
-        self.logprob_rows += sum(sp.logprobs is not None for sp in sps)
+        self.temperature[idx], self.top_p[idx], self.top_k[idx], self.key_data[idx] = sampling_columns(seqs)
+        self.logprob_rows += sum(s.req.sampling.logprobs is not None for s in seqs)
         return rows
 
     def release(self, s: Sequence) -> None:
@@ -478,11 +482,7 @@ class StepRunner:
         key_data, counters = np.zeros((n, 2), np.uint32), np.zeros(n, np.int32)
         m = len(seqs)
         if m:
-            sps = [s.req.sampling for s in seqs]
-            temp[:m] = np.fromiter([sp.temperature for sp in sps], np.float32, m)
-            top_p[:m] = np.fromiter([sp.top_p for sp in sps], np.float32, m)
-            top_k[:m] = np.fromiter([sp.top_k for sp in sps], np.int64, m)
-            key_data[:m] = np.array([s.req.key_data for s in seqs], np.uint32).reshape(m, 2)
+            temp[:m], top_p[:m], top_k[:m], key_data[:m] = sampling_columns(seqs)
             counters[:m] = np.fromiter([len(s.req.tokens) for s in seqs], np.int64, m)
         return temp, top_p, top_k, key_data, counters
 
