@@ -69,6 +69,8 @@ handler and a server's lifespan hook may both call it).
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import random
 import threading
@@ -127,6 +129,9 @@ class Engine:
             config.mode, config.starvation_s), self.pool, registry)
         self._seqs: dict[Request, Sequence] = {}
         self._inbox: deque[Sequence] = deque()
+        self._cancelled: deque[Request] = deque()   # `cancel`led, not yet ended (the next step's sweep)
+        self._deadlines: list[tuple[float, int, Request]] = []   # a heap: (deadline, order, request)
+        self._deadline_order = itertools.count()
         self._lock = threading.Lock()            # inbox + live set (submit threads vs the engine thread)
         self._state = threading.RLock()          # scheduler state (engine thread vs a shutdown thread)
         self._wake = threading.Event()
@@ -217,6 +222,8 @@ class Engine:
                 self._inbox.append(seqs[0])
                 for seq in seqs:
                     self._seqs[seq.req] = seq
+                    if deadline is not None:
+                        heapq.heappush(self._deadlines, (deadline, next(self._deadline_order), seq.req))
         except RequestError:
             for ref in refs:
                 self.registry.release(ref)
@@ -247,6 +254,7 @@ class Engine:
     def cancel(self, req: Request) -> None:
         """Stops a queued or running request at the next step (finish_reason "cancelled")."""
         req.cancelled = True
+        self._cancelled.append(req)
         self._wake.set()
 
     def generate(self, requests: Seq) -> list[Result]:
@@ -390,13 +398,22 @@ class Engine:
                 self.scheduler.add(self._inbox.popleft())
 
     def _sweep(self):
-        """Ends cancelled and expired requests, queued or running."""
-        now = time.monotonic()
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            req = seq.req
-            if req.cancelled:
+        """Ends cancelled and expired requests, queued or running: the ones `cancel` named since the
+        last sweep, and those at the top of the deadline heap (no per-request work per step)."""
+        while self._cancelled:
+            req = self._cancelled.popleft()
+            if not req.finished and req in self._seqs:
                 self._terminate(req, "cancelled")
-            elif req.expired(now):
+        now, expired = time.monotonic(), []
+        with self._lock:                                    # submit threads push
+            heap = self._deadlines
+            while heap and heap[0][0] < now:
+                expired.append(heapq.heappop(heap)[2])
+            if len(heap) > 2 * len(self._seqs) + 1024:      # finished requests wait for their deadline: drop them
+                self._deadlines = [e for e in heap if not e[2].finished]
+                heapq.heapify(self._deadlines)
+        for req in expired:
+            if not req.finished and req in self._seqs:
                 self._terminate(req, error=DeadlineExceededError(
                     f"request {req.request_id} exceeded its deadline; {len(req.tokens)} tokens were generated"))
 
@@ -516,12 +533,14 @@ class Engine:
         Returns (the decode call, the handed-off sequences); (None, empty) when there is no row or
         the call cannot be made (the rows then decode as usual, next step)."""
         handed, rows = [], []
+        max_len = self.config.max_model_len
         with self._state:
             for r, ch in enumerate(chunks):
                 s, req = ch.seq, ch.seq.req
                 n = ch.start + ch.length                        # positions computed after this call
                 if (req.finished or s.status != PREFILL or s.forks or s.num_computed != ch.start or n != len(s.tokens)
-                        or self._room([s])[0] < 2 or not self.scheduler.grow(s, n + 1)):
+                        or req.sampling.max_new_tokens - len(req.tokens) < 2 or max_len - n < 2   # `_room` < 2
+                        or not self.scheduler.grow(s, n + 1)):
                     continue
                 s.num_computed = n
                 self.metrics.prompt_tokens += ch.length
@@ -676,51 +695,76 @@ class Engine:
     def _process_decode(self, step: DecodeStep):
         """Hands a decode call's tokens to its requests (the one host transfer of the call; a fused
         call's k tokens per row in order, the rest of a row that stopped dropped). The common case -
-        no stop token, not the row's last tokens, no token hook, no log-probabilities - is one
-        tight loop with one event per row; full blocks are registered in the prefix cache only for
-        rows whose positions completed one."""
+        one token, no stop token, not the row's last tokens, no full block, no token hook, no
+        log-probabilities - is one tight loop with one event per row; every other row goes through
+        `_process_row`. Full blocks are registered in the prefix cache only for rows whose positions
+        completed one."""
         host, k = to_host(step.out), step.steps
         tokens = host["tokens"][step.rows].tolist()             # one gather + conversion, not one per row
-        logprobs, now = "logprob" in host, time.monotonic()
-        bs = self.config.block_size
-        full = set(np.flatnonzero((step.positions + k) // bs > step.positions // bs).tolist())
-        fast = not logprobs and not self._token_hooks
+        now = time.monotonic()
+        pos = step.positions
+        full = set(np.flatnonzero((pos + k) // self.config.block_size > pos // self.config.block_size).tolist())
         max_len, gaps = self.config.max_model_len, []
         with self._state:
-            for i, (s, toks) in enumerate(zip(step.seqs, tokens)):
-                req = s.req
-                if req.finished or s.status != DECODE:
-                    continue
-                s.num_computed += k
-                if k == 1:
-                    toks = [toks]
-                register = i in full                            # when its tokens are known: hashable
-                if (not fast or req.first_token_at is None or len(req.tokens) + k >= req.sampling.max_new_tokens
-                        or len(s.tokens) + k >= max_len or any(map(req.stop_token_ids.__contains__, toks))):
-                    if register and k == 1:                     # before the token may end the request
-                        self.scheduler.register_computed(s)
-                        register = False
-                    for token in toks:                          # one by one, through every rule
-                        if req.finished:
-                            break
-                        self._accept_safely(s, token, token_entry(host, int(step.rows[i]), req.sampling.logprobs)
-                                            if logprobs else None, now)
-                else:
+            if k > 1 or "logprob" in host or self._token_hooks:
+                for i, (s, toks) in enumerate(zip(step.seqs, tokens)):
+                    self._process_row(step, i, s, toks, host, k, i in full, now, gaps)
+            else:
+                for i, (s, tok) in enumerate(zip(step.seqs, tokens)):
+                    req = s.req
+                    if (i in full or req.finished or s.status != DECODE or req.first_token_at is None
+                            or len(req.tokens) + 1 >= req.sampling.max_new_tokens or len(s.tokens) + 1 >= max_len
+                            or tok in req.stop_token_ids):
+                        self._process_row(step, i, s, tok, host, 1, i in full, now, gaps)
+                        continue
                     try:                                        # `_accept` without its rare branches
+                        s.num_computed += 1
                         gaps.append(now - req.last_token_at)
-                        if k > 1:
-                            gaps.extend([0.0] * (k - 1))        # a fused call's tokens arrive together
                         req.last_token_at = now
-                        s.tokens.extend(toks)
-                        req.tokens.extend(toks)
-                        req.emit(("tokens", toks))
+                        s.tokens.append(tok)
+                        req.tokens.append(tok)
+                        req.emit(("tokens", [tok]))
                     except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
                         log.exception("request %s: could not process its token", req.request_id)
                         self._terminate(req, error=_engine_failure("processing its output", req))
-                if register and not req.finished:
-                    self.scheduler.register_computed(s)
             self._new_tokens += len(gaps)
             self.metrics.inter_token.observe_many(gaps)
+
+    def _process_row(self, step: DecodeStep, i: int, s: Sequence, toks, host: dict, k: int, register: bool,
+                     now: float, gaps: list):
+        """`_process_decode` for row i of `step` (sequence `s`, its token or fused call's tokens
+        `toks`), through every rule: a token hook, log-probabilities, stop tokens, its last tokens,
+        a full block to register (`register`) before a token may end the request."""
+        req = s.req
+        if req.finished or s.status != DECODE:
+            return
+        s.num_computed += k
+        if k == 1:
+            toks = [toks]
+        if ("logprob" in host or self._token_hooks or req.first_token_at is None
+                or len(req.tokens) + k >= req.sampling.max_new_tokens or len(s.tokens) + k >= self.config.max_model_len
+                or any(map(req.stop_token_ids.__contains__, toks))):
+            if register and k == 1:                             # before the token may end the request
+                self.scheduler.register_computed(s)
+                register = False
+            for token in toks:                                  # one by one, through every rule
+                if req.finished:
+                    break
+                self._accept_safely(s, token, token_entry(host, int(step.rows[i]), req.sampling.logprobs)
+                                    if "logprob" in host else None, now)
+        else:
+            try:                                                # `_accept` without its rare branches
+                gaps.append(now - req.last_token_at)
+                gaps.extend([0.0] * (k - 1))                    # a fused call's tokens arrive together
+                req.last_token_at = now
+                s.tokens.extend(toks)
+                req.tokens.extend(toks)
+                req.emit(("tokens", toks))
+            except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
+                log.exception("request %s: could not process its token", req.request_id)
+                self._terminate(req, error=_engine_failure("processing its output", req))
+        if register and not req.finished:
+            self.scheduler.register_computed(s)
 
     def _recover_cache(self):
         """After a failed call: if the donated KV pool was consumed, rebuild it, forget the prefix

@@ -41,7 +41,7 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_cache = enable_prefix_cache
         self._free: collections.deque[int] = collections.deque(range(1, num_blocks))
-        self._ref = np.zeros(num_blocks, np.int32)
+        self._ref = [0] * num_blocks                 # a list: per-block reads and writes are Python ints
         self._hash: dict[int, bytes] = {}                       # block -> its hash (cached blocks)
         self._by_hash: dict[bytes, int] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()   # LRU first

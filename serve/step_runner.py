@@ -47,7 +47,7 @@ from preft_jax import native_decode
 from preft_jax import sharding as shd
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
-from preft_jax.paged_step import (bind_paged_step, copy_blocks, paged_decode_steps, paged_step, sample_rows,
+from preft_jax.paged_step import (bind_paged_step, bind_state, copy_blocks, paged_decode_steps, paged_step, sample_rows,
                                   step_out_shardings)
 from serve.engine_config import EngineConfig
 from serve.kv_blocks import NULL_BLOCK
@@ -149,12 +149,13 @@ def handoff_tokens(prefill_tokens, src):
 
 
 @functools.lru_cache(maxsize=16)
-def decode_step(graphdef, mesh=None, k_spec=None, v_spec=None):
-    """`_decode_steps` jitted with the model's graph bound in: a static graphdef argument would be
-    hashed whole at every dispatch (~0.1 ms per call for the tiny model, more with depth); here it is
-    hashed once, when a runner asks for its function. On a mesh: tokens replicated, the donated pool
-    kept in its declared sharding."""
-    return jax.jit(functools.partial(_decode_steps, graphdef), static_argnames=("attention", "logprobs", "steps"),
+def decode_step(graphdef, mesh=None, k_spec=None, v_spec=None, state_tree=None):
+    """`_decode_steps` jitted with the model's graph bound in (`bind_state`; with `state_tree` it
+    takes the State's leaves): a static graphdef argument would be hashed whole at every dispatch
+    (~0.1 ms per call for the tiny model, more with depth), an nnx State flattened in Python; here
+    the graph is hashed once, when a runner asks for its function. On a mesh: tokens replicated,
+    the donated pool kept in its declared sharding."""
+    return jax.jit(bind_state(_decode_steps, graphdef, state_tree), static_argnames=("attention", "logprobs", "steps"),
                    donate_argnames=("cache",), **step_out_shardings(mesh, k_spec, v_spec))
 
 
@@ -307,21 +308,25 @@ class DecodeRows:
         return rows, int(b.max(initial=0)) + 1, filled
 
     def advance(self, prev_seqs: list[Sequence], prev_rows: np.ndarray, keep: np.ndarray, by: int = 1,
-                span: int = 1) -> tuple[list[Sequence], np.ndarray, int]:
+                span: int = 1) -> tuple[list[Sequence], np.ndarray, int, np.ndarray]:
         """`update(seqs, ahead=by)` for a pipelined call continuing the previous call (its sequences
         `prev_seqs` on rows `prev_rows`, from `update` or `advance`; `by`: the tokens it computes
         per row): the sequences where `keep` holds move `by` positions on, column-wise (numpy;
         per-row Python only for a row whose table lacks a block of the `span` positions the call
         reaches), the others are released. Returns (the kept sequences, their rows, block-table
-        width needed for `span` positions). Valid only while nothing but this chain of calls
+        width needed for `span` positions, their new positions; `prev_seqs` and `prev_rows`
+        themselves when every row is kept). Valid only while nothing but this chain of calls
         changed the rows' sequences (no copy-on-write, no re-admission in between): the engine takes
         it between the calls of one pipelined chain and `update` everywhere else."""
-        seqs = [s for s, k in zip(prev_seqs, keep.tolist()) if k]
-        if len(seqs) != len(prev_seqs):
-            for s, k in zip(prev_seqs, keep.tolist()):
+        if keep.all():                                   # the common case: the chain goes on for every row
+            seqs, rows = prev_seqs, prev_rows
+        else:
+            kept = keep.tolist()
+            seqs = [s for s, k in zip(prev_seqs, kept) if k]
+            for s, k in zip(prev_seqs, kept):
                 if not k and s in self.row_of:
                     self.release(s)
-        rows = prev_rows[keep]
+            rows = prev_rows[keep]
         bs = self.block_size
         pos = self.context_lens[rows].astype(np.int64) + by
         last = (pos + span - 1) // bs                                    # the last block the call reaches
@@ -333,7 +338,7 @@ class DecodeRows:
         self.write_index[rows] = self.block_tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
         self.counters[rows] += by
         self.from_prev[rows] = 1
-        return seqs, rows, int(last.max(initial=0)) + 1
+        return seqs, rows, int(last.max(initial=0)) + 1, pos
 
     def _fill(self, seqs: list[Sequence]) -> list[int]:
         """Takes the lowest free rows for `seqs` and writes their per-request columns, column-wise."""
@@ -380,14 +385,18 @@ class StepRunner:
         self.mesh = model.mesh
         cfg, bs = model.cfg, config.block_size
         self.drop_index = num_blocks * bs                   # a write here is dropped (padding)
-        self._step_fn, self._decode_fn, self.cache_shardings = bind_paged_step(model.graphdef), decode_step(model.graphdef), None
+        leaves, tree = jax.tree_util.tree_flatten(model.state)   # the calls take the State's leaves (`bind_state`):
+        self._state = tuple(leaves)                     # the weights are fixed for the runner's life (as the
+                                                        # native CPU step's, packed once from them)
+        self._step_fn = bind_paged_step(model.graphdef, state_tree=tree)
+        self._decode_fn, self.cache_shardings = decode_step(model.graphdef, state_tree=tree), None
         no_prev = jax.devices()[0]                          # placed as a call's output tokens are
         if self.mesh is not None:
             abstract = jax.eval_shape(lambda: PagedKVCache.create(cfg, num_blocks, bs, model.dtype))
             self.cache_shardings = shd.cache_shardings(abstract, self.mesh, cfg)
-            self._step_fn = bind_paged_step(model.graphdef, self.mesh, self.cache_shardings)
+            self._step_fn = bind_paged_step(model.graphdef, self.mesh, self.cache_shardings, tree)
             self._decode_fn = decode_step(model.graphdef, self.mesh, self.cache_shardings.k.spec,
-                                          self.cache_shardings.v.spec)
+                                          self.cache_shardings.v.spec, tree)
             no_prev = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             if registry.bank is not None:
                 registry.place(shd.bank_shardings(registry.bank, self.mesh, cfg))
@@ -465,12 +474,12 @@ class StepRunner:
         dict of device arrays (`paged_step`) when the call asks for log-probabilities or logits."""
         if isinstance(call, DecodeCall):
             with self.model.mesh_context():
-                return self._decode_fn(self.model.state, call.packed, call.prev_tokens, cache, call.bank,
+                return self._decode_fn(self._state, call.packed, call.prev_tokens, cache, call.bank,
                                        call.native, attention=call.attention, logprobs=call.logprobs, steps=call.steps)
         temp, top_p, top_k, key_data, counters = call.sampling
         with self.model.mesh_context():
             return self._step_fn(
-                self.model.state, call.tokens, call.batch, cache, call.bank,
+                self._state, call.tokens, call.batch, cache, call.bank,
                 None if call.bank is None else call.adapter_ids, call.prompt_lens, temp, top_p, top_k,
                 (key_data, counters), call.next_tokens, None, None if call.bank is None else call.adapter_starts,
                 logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs, return_logits=call.return_logits)
@@ -566,21 +575,23 @@ class StepRunner:
         for the positions whose tokens it may still use (a later position's write goes to no block
         of its own: dropped or into the reserved block, never read). The rows move on
         column-wise (`DecodeRows.advance`), no per-sequence reads. None when no row is kept."""
-        seqs, rows, width = self.rows.advance(after.seqs, after.rows, keep, after.steps, steps)
+        seqs, rows, width, positions = self.rows.advance(after.seqs, after.rows, keep, after.steps, steps)
         if not seqs:
             return None
-        return self._dispatch(seqs, rows, width, after, steps)
+        return self._dispatch(seqs, rows, width, after, steps, positions=positions)
 
     def fused_steps(self) -> int:
         """Decode steps the next pipelined call may fuse (`EngineConfig.decode_steps_per_call`): 1
         while a row asks for log-probabilities (a fused call returns tokens only)."""
         return 1 if self.rows.logprob_rows else self.config.decode_steps_per_call
 
-    def _dispatch(self, seqs, rows, width, after, steps: int = 1, prev=None):
+    def _dispatch(self, seqs, rows, width, after, steps: int = 1, prev=None, positions=None):
         if prev is None:
             prev = self._no_prev if after is None else _tokens_of(after.out)
+        if positions is None:
+            positions = self.rows.context_lens[rows].astype(np.int64)
         out = self.run(self._decode(self.rows, bucket(width, self.block_buckets), prev, steps))
-        return DecodeStep(seqs, rows, out, self.rows.context_lens[rows].astype(np.int64), steps=steps)
+        return DecodeStep(seqs, rows, out, positions, steps=steps)
 
     def _decode(self, rows: DecodeRows, nb: int, prev_tokens, steps: int = 1) -> DecodeCall:
         """The call over every decode row (block tables `nb` wide): one transfer of the rows' buffer,

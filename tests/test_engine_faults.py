@@ -174,6 +174,36 @@ def test_deadline_and_queue_limit(model):
         eng.submit([1], None, _sp(1), timeout=float("nan"))
 
 
+def test_sweep_ends_what_cancel_and_deadlines_name(model):
+    """The step's sweep ends exactly the requests `cancel` named and those past their deadline (a
+    deadline heap, no per-request scan): a cancelled sibling of an n=2 prompt that waits for its
+    parent's prefill ends alone, its parent and a later request run on; a request whose deadline
+    passes while it waits in the queue fails with 504; finished requests do not pile up in the heap."""
+    eng, _ = _engine(model, max_num_seqs=2, max_prefill_seqs=1, max_num_batched_tokens=8)
+    want = _alone(model, [3, 4, 5], None, 4)
+    parent, kid = eng.submit_n([3, 4, 5], None, _sp(4), n=2)
+    hog = eng.submit([6, 7], None, _sp(30))
+    late = eng.submit([8], None, _sp(2), timeout=0.2)     # waits: both rows are taken
+    eng.cancel(kid)
+    eng.step()
+    assert kid.finished and kid.result.finish_reason == "cancelled" and not parent.finished
+    for _ in range(3):
+        eng.step()
+    assert hog.tokens and not hog.finished
+    eng.cancel(hog)                                       # decoding: ended at the next step
+    eng.step()
+    assert hog.finished and hog.result.finish_reason == "cancelled" and len(hog.result.tokens) < 30
+    time.sleep(0.3)
+    _run(eng)
+    assert parent.result.tokens == want and parent.result.finish_reason == "length"
+    assert isinstance(late.error, DeadlineExceededError) and late.error.status == 504
+    for _ in range(3):                                    # 1100 short requests, each with a deadline
+        for r in [eng.submit([1, 2], None, _sp(1), timeout=600.0) for _ in range(400)]:
+            pass
+        _run(eng)
+    assert len(eng._deadlines) <= 1024 + 2 * len(eng.live_requests()) + 1
+
+
 def test_validation_refuses_what_the_engine_cannot_represent(model):
     eng, _ = _engine(model)
     with pytest.raises(RequestError, match="top_k"):

@@ -4,6 +4,7 @@ warm-up (the server's default) serves requests that arrive before it is done wit
 and once it is done nothing compiles either."""
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,12 +13,12 @@ from preft_jax.adapters.bank import build_bank
 from preft_jax.config import tiny_config
 from preft_jax.generation import ModelRunner
 from preft_jax.model import Llama
-from preft_jax.paged_step import copy_blocks, paged_step, sample_rows
+from preft_jax.paged_step import bind_paged_step, copy_blocks, paged_step, sample_rows
 from preft_jax.sampling import SamplingParams
 from reference_llama import random_params
 from serve.engine import Engine, EngineConfig
 from serve.registry import AdapterRegistry, with_policy
-from serve.step_runner import decode_step
+from serve.step_runner import decode_step, handoff_tokens
 
 pytestmark = pytest.mark.slow      # whole module; README "Tests" names where its fast path is covered
 
@@ -56,10 +57,13 @@ def _alone(runner, prompt, name, n):
 
 
 def _compiled(runner):
-    """Programs compiled so far; the decode step is the engine's (`decode_step` binds the runner's
-    graph and returns the same jitted function for it every time)."""
-    return (paged_step._cache_size() + decode_step(runner.graphdef)._cache_size() + sample_rows._cache_size()
-            + copy_blocks._cache_size())
+    """Programs compiled so far; the prefill and decode steps are the engine's (`bind_paged_step`
+    and `decode_step` bind the runner's graph and State structure and return the same jitted
+    function for them every time)."""
+    tree = jax.tree_util.tree_structure(runner.state)
+    return (paged_step._cache_size() + bind_paged_step(runner.graphdef, state_tree=tree)._cache_size()
+            + decode_step(runner.graphdef, state_tree=tree)._cache_size() + sample_rows._cache_size()
+            + copy_blocks._cache_size() + handoff_tokens._cache_size())
 
 
 def _serve_all(eng, reqs, n_samples=3):

@@ -206,8 +206,9 @@ def test_engine_fused_decode_call_lowers_with_kernel_and_donated_pool(platform):
     nb = -(-(ctx + steps) // BS)
     pool = jax.ShapeDtypeStruct((cfg.n_layers, cfg.n_kv_heads, R * nb + 1, BS, cfg.head_dim), jnp.bfloat16)
     attention = choose_attention(cfg, BS, "gpu" if platform == "cuda" else platform)
-    text = decode_step(graphdef).trace(
-        state, jax.ShapeDtypeStruct((R, BLOCKS + nb), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
+    tree, leaves = jax.tree_util.tree_structure(state), tuple(jax.tree_util.tree_leaves(state))   # as the engine calls it
+    text = decode_step(graphdef, state_tree=tree).trace(
+        leaves, jax.ShapeDtypeStruct((R, BLOCKS + nb), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
         PagedKVCache(pool, pool), None, None, attention=attention, logprobs=False, steps=steps,
     ).lower(lowering_platforms=(platform,)).as_text()
     assert attention == ("kernel:gpu" if platform == "cuda" else "kernel:tpu")
@@ -231,8 +232,9 @@ def test_engine_prefill_call_and_handoff_lower_with_donated_pool(platform):
     nb = -(-(ctx + C) // BS)
     pool = sds((cfg.n_layers, cfg.n_kv_heads, P * nb + 1, BS, cfg.head_dim), jnp.bfloat16)
     batch = PagedBatch(sds((P, ctx // BS), i32), sds((P,), i32), sds((P,), i32), sds((P, C), i32), "gather")
-    text = bind_paged_step(graphdef).trace(
-        state, sds((P, C), i32), batch, PagedKVCache(pool, pool), None, None, sds((P,), i32), sds((P,), f32),
+    tree, leaves = jax.tree_util.tree_structure(state), tuple(jax.tree_util.tree_leaves(state))   # as the engine calls it
+    text = bind_paged_step(graphdef, state_tree=tree).trace(
+        leaves, sds((P, C), i32), batch, PagedKVCache(pool, pool), None, None, sds((P,), i32), sds((P,), f32),
         sds((P,), f32), sds((P,), i32), (sds((P, 2), jnp.uint32), sds((P,), i32)), None, None, None,
         logprobs=False, prompt_logprobs=False, return_logits=True,
     ).lower(lowering_platforms=(platform,)).as_text()

@@ -138,8 +138,9 @@ def test_advance_equals_a_rebuild_along_pipelined_chains():
             for s in kept:               # a home for the position it writes next (the engine's grow)
                 if len(s.blocks) * BS <= s.num_computed + 1:
                     s.blocks.append(int(rng.integers(400, 500)))
-            got, new_rows, width = rows.advance(prev_seqs, prev_rows, keep)
+            got, new_rows, width, positions = rows.advance(prev_seqs, prev_rows, keep)
             assert got == kept
+            assert positions.tolist() == [s.num_computed + 1 for s in kept]   # the position each row writes
             np.testing.assert_array_equal(rows.buffer, _reference(kept, new_rows, 1, rows.buffer),
                                           err_msg=f"chain {chain} link {link}")
             if kept:
