@@ -552,8 +552,11 @@ class AdapterCatalog:
             return True
 
     def in_use(self, name: str) -> int:
+        """Requests holding `name`. Known: registered, on the host, or a folder in `adapter_dir` (as
+        `acquire` knows it: a folder whose load is under way or done but not yet on the host, e.g. in
+        the moment between its future resolving and its done-callback, is known and held by 0)."""
         with self.lock:
-            if name not in self._sources and name not in self._host:
+            if name not in self._sources and name not in self._host and self._dir_path(name) is None:
                 raise self._unknown(name)
             return self.refs[name]
 

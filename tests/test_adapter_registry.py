@@ -155,3 +155,19 @@ def test_unload_in_use_drains_then_the_last_release_unloads():
     assert reg.draining() == {} and not any(reg.catalog.refs.values())
     reg.load("a", random_lora(CFG, 2, targets=("q",)))   # unloaded: the name is free again
     assert "a" in reg
+
+
+def test_in_use_knows_what_acquire_knows(tmp_path):
+    """An adapter that only its folder in adapter_dir provides is known before it reaches the host
+    tier (`acquire` takes references on it; `in_use` once raised UnknownAdapterError there, e.g.
+    right after a refused request released it while its load's callback had not run yet)."""
+    from preft_jax.adapters.peft_io import save_peft_lora
+    save_peft_lora(tmp_path / "late", random_lora(CFG, 3, targets=("q",)), CFG)
+    reg = _registry(adapter_dir=tmp_path)
+    assert reg.in_use("late") == 0                       # a folder, nothing loaded yet
+    ref = reg.acquire("late")
+    assert reg.in_use("late") == 1
+    reg.release(ref)
+    assert reg.in_use("late") == 0
+    with pytest.raises(UnknownAdapterError):
+        reg.in_use("nowhere")
