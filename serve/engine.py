@@ -75,6 +75,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable, Sequence as Seq
 
@@ -130,7 +131,8 @@ class Engine:
         self._seqs: dict[Request, Sequence] = {}
         self._inbox: deque[Sequence] = deque()
         self._cancelled: deque[Request] = deque()   # `cancel`led, not yet ended (the next step's sweep)
-        self._deadlines: list[tuple[float, int, Request]] = []   # a heap: (deadline, order, request)
+        self._deadlines: list[tuple[float, int, weakref.ref]] = []   # a heap: (deadline, order, request); weak:
+                                                 # a finished request is not kept alive until its deadline
         self._deadline_order = itertools.count()
         self._lock = threading.Lock()            # inbox + live set (submit threads vs the engine thread)
         self._state = threading.RLock()          # scheduler state (engine thread vs a shutdown thread)
@@ -223,7 +225,7 @@ class Engine:
                 for seq in seqs:
                     self._seqs[seq.req] = seq
                     if deadline is not None:
-                        heapq.heappush(self._deadlines, (deadline, next(self._deadline_order), seq.req))
+                        heapq.heappush(self._deadlines, (deadline, next(self._deadline_order), weakref.ref(seq.req)))
         except RequestError:
             for ref in refs:
                 self.registry.release(ref)
@@ -408,12 +410,12 @@ class Engine:
         with self._lock:                                    # submit threads push
             heap = self._deadlines
             while heap and heap[0][0] < now:
-                expired.append(heapq.heappop(heap)[2])
+                expired.append(heapq.heappop(heap)[2]())
             if len(heap) > 2 * len(self._seqs) + 1024:      # finished requests wait for their deadline: drop them
-                self._deadlines = [e for e in heap if not e[2].finished]
+                self._deadlines = [e for e in heap if (r := e[2]()) is not None and not r.finished]
                 heapq.heapify(self._deadlines)
         for req in expired:
-            if not req.finished and req in self._seqs:
+            if req is not None and not req.finished and req in self._seqs:
                 self._terminate(req, error=DeadlineExceededError(
                     f"request {req.request_id} exceeded its deadline; {len(req.tokens)} tokens were generated"))
 

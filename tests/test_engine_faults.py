@@ -1,8 +1,10 @@
 """Engine failure isolation: a failing step fails only the request that caused it (or, when that
 cannot be known, every affected request and nothing else), adapter references are released on every
 path, deadlines and shutdown end stuck requests, and a full queue refuses instead of growing."""
+import gc
 import threading
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -202,6 +204,12 @@ def test_sweep_ends_what_cancel_and_deadlines_name(model):
             pass
         _run(eng)
     assert len(eng._deadlines) <= 1024 + 2 * len(eng.live_requests()) + 1
+    done = eng.submit([1, 2], None, _sp(1), timeout=600.0)
+    _run(eng)
+    gone = weakref.ref(done)
+    del done, r
+    gc.collect()
+    assert gone() is None                                 # the deadline heap does not keep it alive
 
 
 def test_validation_refuses_what_the_engine_cannot_represent(model):
