@@ -535,14 +535,12 @@ class Engine:
         Returns (the decode call, the handed-off sequences); (None, empty) when there is no row or
         the call cannot be made (the rows then decode as usual, next step)."""
         handed, rows = [], []
-        max_len = self.config.max_model_len
         with self._state:
             for r, ch in enumerate(chunks):
                 s, req = ch.seq, ch.seq.req
                 n = ch.start + ch.length                        # positions computed after this call
                 if (req.finished or s.status != PREFILL or s.forks or s.num_computed != ch.start or n != len(s.tokens)
-                        or req.sampling.max_new_tokens - len(req.tokens) < 2 or max_len - n < 2   # `_room` < 2
-                        or not self.scheduler.grow(s, n + 1)):
+                        or self._room_of(s) < 2 or not self.scheduler.grow(s, n + 1)):
                     continue
                 s.num_computed = n
                 self.metrics.prompt_tokens += ch.length
@@ -662,11 +660,13 @@ class Engine:
                 self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
 
+    def _room_of(self, s: Sequence) -> int:
+        """Tokens the sequence may still generate (its request's budget, the context length)."""
+        return min(s.req.sampling.max_new_tokens - len(s.req.tokens), self.config.max_model_len - len(s.tokens))
+
     def _room(self, seqs: list[Sequence]) -> np.ndarray:
-        """Tokens each sequence may still generate (its request's budget, the context length)."""
-        c = self.config
-        return np.fromiter([min(s.req.sampling.max_new_tokens - len(s.req.tokens), c.max_model_len - len(s.tokens))
-                            for s in seqs], np.int64, len(seqs))
+        """`_room_of` each sequence, as an array."""
+        return np.fromiter(map(self._room_of, seqs), np.int64, len(seqs))
 
     def _continue_decode(self, prev: DecodeStep) -> DecodeStep | None:
         """The next call of a pipelined chain, dispatched before the host has seen `prev`'s tokens:
@@ -703,9 +703,8 @@ class Engine:
         completed one."""
         host, k = to_host(step.out), step.steps
         tokens = host["tokens"][step.rows].tolist()             # one gather + conversion, not one per row
-        now = time.monotonic()
-        pos = step.positions
-        full = set(np.flatnonzero((pos + k) // self.config.block_size > pos // self.config.block_size).tolist())
+        now, pos, bs = time.monotonic(), step.positions, self.config.block_size
+        full = set(np.flatnonzero((pos + k) // bs > pos // bs).tolist())
         max_len, gaps = self.config.max_model_len, []
         with self._state:
             if k > 1 or "logprob" in host or self._token_hooks:

@@ -386,7 +386,7 @@ class StepRunner:
         cfg, bs = model.cfg, config.block_size
         self.drop_index = num_blocks * bs                   # a write here is dropped (padding)
         leaves, tree = jax.tree_util.tree_flatten(model.state)   # the calls take the State's leaves (`bind_state`):
-        self._state = tuple(leaves)                     # the weights are fixed for the runner's life (as the
+        self._state_leaves = tuple(leaves)              # the weights are fixed for the runner's life (as the
                                                         # native CPU step's, packed once from them)
         self._step_fn = bind_paged_step(model.graphdef, state_tree=tree)
         self._decode_fn, self.cache_shardings = decode_step(model.graphdef, state_tree=tree), None
@@ -474,12 +474,12 @@ class StepRunner:
         dict of device arrays (`paged_step`) when the call asks for log-probabilities or logits."""
         if isinstance(call, DecodeCall):
             with self.model.mesh_context():
-                return self._decode_fn(self._state, call.packed, call.prev_tokens, cache, call.bank,
+                return self._decode_fn(self._state_leaves, call.packed, call.prev_tokens, cache, call.bank,
                                        call.native, attention=call.attention, logprobs=call.logprobs, steps=call.steps)
         temp, top_p, top_k, key_data, counters = call.sampling
         with self.model.mesh_context():
             return self._step_fn(
-                self._state, call.tokens, call.batch, cache, call.bank,
+                self._state_leaves, call.tokens, call.batch, cache, call.bank,
                 None if call.bank is None else call.adapter_ids, call.prompt_lens, temp, top_p, top_k,
                 (key_data, counters), call.next_tokens, None, None if call.bank is None else call.adapter_starts,
                 logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs, return_logits=call.return_logits)
