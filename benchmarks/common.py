@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -124,10 +125,22 @@ def round_robin(cases: dict[str, Callable[[int], dict]], repeats: int, log=print
     return runs
 
 
+def cpu_model() -> str:
+    """'<model name>, AVX-512' or '..., no AVX-512' from /proc/cpuinfo ('' where unreadable): CPU figures
+    differ by machine, and the native decode step's GEMM tile by instruction set."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    return f"{name}, {'AVX-512' if 'avx512f' in flags else 'no AVX-512'}"
+
+
 def header(runner, extra: str = "") -> str:
     import jax
     cfg = runner.cfg
-    return (f"# {jax.devices()[0].platform} x{jax.device_count()}, {os.cpu_count()} CPUs, "
+    return (f"# {jax.devices()[0].platform} x{jax.device_count()}, {os.cpu_count()} CPUs ({cpu_model()}), "
             f"backend={runner.adapter_backend}, dtype={np.dtype(runner.dtype).name}, "
             f"model layers={cfg.n_layers} d={cfg.d_model} vocab={cfg.vocab_size}; "
             f"load average {os.getloadavg()[0]:.2f}; {extra}")

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import cpu_model
+
 L, D, F, KV, V = 30, 576, 1536, 192, 49152
 SHAPES = dict(wq=(D, D), wk=(D, KV), wv=(D, KV), wo=(D, D), g=(D, F), u=(D, F), dn=(F, D))
 
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
                 times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
     flops = 2 * args.rows * (L * sum(a * b for a, b in SHAPES.values()) + V * D)
     print(f"# {args.rows} rows, jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads); {flops / 1e9:.2f} GFLOP per step")
+          f"({torch.get_num_threads()} threads); {flops / 1e9:.2f} GFLOP per step; {cpu_model()}")
     print("# argmax tokens equal to jax scan's (float32 variants): "
           + ", ".join(f"{k} {v:.0%}" for k, v in same.items())
           + f"; jax scan q4_1 vs jax scan on its decoded weights {q4_same:.0%}")

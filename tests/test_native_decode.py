@@ -251,3 +251,28 @@ def test_engine_cpu_decode_choice():
                                                               cpu_decode="native"))
     eng = Engine(runner, AdapterRegistry(CFG, 0), EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64))
     assert eng.step_runner.native is None                  # auto: bfloat16 stays on the XLA path
+
+
+@pytest.mark.slow
+def test_tile_without_avx512_matches_in_a_build_without_it(tmp_path):
+    """decode.cc has two GEMM register tiles: 8 x 48 on 16-lane vectors with AVX-512, passes of
+    4 x 24 on 8-lane vectors without it (the 8 x 48 tile spilled on AVX2 and ran ~7x slower there).
+    This machine's default build runs one of them; a build with $CXX carrying -mno-avx512f (its own
+    cache folder: $CXX is part of the build key) runs the AVX2 tile whatever this CPU has. The packed
+    matmul (row and column tails) and the decode step against the XLA path, in that build."""
+    import os
+    import subprocess
+    import sys
+    from pallas_kernels.cpu import _build
+    found = _build.compilers()
+    if not found:
+        pytest.skip("no C++ compiler")
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "PREFT_JAX_NO_CACHE")}
+    env.update(CXX=" ".join([*found[0], "-mno-avx512f"]), PREFT_JAX_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", __file__,
+                        "-k", "packed_matmul_matches_float64 or decode_step_matches_xla_paged_path"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "8 passed" in r.stdout, r.stdout[-1000:]
+    built = list((tmp_path / "cpu_native").glob(f"*/{_build.LIBRARY}"))
+    assert len(built) == 1, built                   # the flagged build, in its own folder

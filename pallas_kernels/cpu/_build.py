@@ -2,10 +2,11 @@
 its XLA FFI handlers with jax.
 
 The library is built with a C++ compiler (-O3 -march=native -fopenmp -std=c++17) against jaxlib's
-XLA FFI headers into a cache folder keyed by the source, the jaxlib version and this CPU's model and
-instruction-set flags (<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's: $PREFT_JAX_CACHE_DIR,
-else $XDG_CACHE_HOME/preft_jax, else ~/.cache/preft_jax), so a cache shared between machines never
-hands one CPU another's build. Nothing is built at import: the first `available()` (or op call)
+XLA FFI headers into a cache folder keyed by the source, the jaxlib version, this CPU's model and
+instruction-set flags, and $CXX (a compiler command may carry flags: `g++ -mno-avx512f`)
+(<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's: $PREFT_JAX_CACHE_DIR, else
+$XDG_CACHE_HOME/preft_jax, else ~/.cache/preft_jax), so a cache shared between machines never
+hands one CPU another's build, nor one compiler command another's. Nothing is built at import: the first `available()` (or op call)
 builds, later processes load the cached file.
 
 Compiler: `$CXX` when set (only it: the user chose it), else the first of c++, clang++, g++ on PATH
@@ -71,7 +72,8 @@ def libraries_dir() -> pathlib.Path:
 
 @functools.lru_cache(maxsize=1)
 def build_key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode() + _cpu_signature()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode() + _cpu_signature()
+                          + os.environ.get("CXX", "").strip().encode()).hexdigest()[:16]
 
 
 def cache_dir() -> pathlib.Path:

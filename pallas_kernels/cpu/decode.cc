@@ -6,9 +6,10 @@
 //
 // Weights are packed once (pack_panels in decode.py): panel p holds columns [48p, 48p + 48) of
 // W [K, N] as K contiguous rows of 48 floats (zero-padded past N), so a GEMM streams each panel
-// once, in order. The register tile is 8 rows x 48 columns (24 vector accumulators); the panels
+// once, in order. The register tile is 8 rows x 48 columns (see Tile for machines without AVX-512); the panels
 // are split across threads (OpenMP). The code is plain C++ with GCC vector extensions: AVX-512
-// machines get 16-lane vectors, others the compiler's split of them.
+// machines get 16-lane vectors, others the compiler's split of them (and a GEMM tile sized for 16
+// registers of 8 lanes: see Tile).
 #include <omp.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -37,6 +38,13 @@ inline void store(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
 // C[mr, 48] (+)= A[mr, K] (row stride lda, rows padded to 8 by the caller) @ panel [K, 48].
 // `prefetch` (or null): pf_step floats of the next panel to pull into cache per k, so that panel's
 // DRAM stream overlaps this tile's arithmetic (the tiles of one panel split the next panel).
+//
+// The register tile is sized for the machine's vector registers: with AVX-512 (32 x 16 lanes) one
+// pass holds all 8 x 48 outputs (24 accumulators); without it (AVX2: 16 x 8 lanes) that tile would
+// spill most of its accumulators to the stack on every k (~7x slower), so the tile runs as passes
+// of 4 rows x 24 columns (12 accumulators, 3 panel vectors, 1 broadcast), only over the rows that
+// exist. Each output element sums over k in the same order either way.
+#ifdef __AVX512F__
 inline void Tile(const float* A, int64_t lda, const float* panel, int64_t K, float* C, int64_t ldc, int64_t mr,
                  int64_t nvalid, bool accumulate, const float* prefetch, int64_t pf_step) {
   v16 c[kMR][3];
@@ -65,6 +73,48 @@ inline void Tile(const float* A, int64_t lda, const float* panel, int64_t K, flo
     }
   }
 }
+#else
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+inline v8 load8(const float* p) { return *reinterpret_cast<const v8*>(p); }
+inline void store8(float* p, v8 v) { *reinterpret_cast<v8*>(p) = v; }
+constexpr int64_t kSubR = 4, kSubN = 24;   // one pass: 4 rows x 24 columns (3 vectors of 8)
+
+inline void Tile(const float* A, int64_t lda, const float* panel, int64_t K, float* C, int64_t ldc, int64_t mr,
+                 int64_t nvalid, bool accumulate, const float* prefetch, int64_t pf_step) {
+  for (int64_t r0 = 0; r0 < mr; r0 += kSubR) {
+    const float* a0 = A + r0 * lda;
+    for (int64_t n0 = 0; n0 < nvalid; n0 += kSubN) {
+      const bool pf = prefetch && r0 == 0 && n0 == 0;      // the next panel's stream, on the first pass
+      v8 c[kSubR][3];
+      for (int r = 0; r < kSubR; ++r) c[r][0] = c[r][1] = c[r][2] = v8{};
+      for (int64_t k = 0; k < K; ++k) {
+        const float* b = panel + k * kNR + n0;
+        if (pf)
+          for (int64_t j = 0; j < pf_step; j += 16) __builtin_prefetch(prefetch + k * pf_step + j, 0, 3);
+        const v8 b0 = load8(b), b1 = load8(b + 8), b2 = load8(b + 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < kSubR; ++r) {
+          const float a = a0[r * lda + k];
+          c[r][0] += a * b0;
+          c[r][1] += a * b1;
+          c[r][2] += a * b2;
+        }
+      }
+      const int64_t rows = std::min(kSubR, mr - r0), cols = std::min(kSubN, nvalid - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = C + (r0 + r) * ldc + n0;
+        if (cols == kSubN) {
+          for (int j = 0; j < 3; ++j) store8(out + 8 * j, accumulate ? load8(out + 8 * j) + c[r][j] : c[r][j]);
+        } else {
+          alignas(32) float tmp[kSubN];
+          for (int j = 0; j < 3; ++j) store8(tmp + 8 * j, c[r][j]);
+          for (int64_t n = 0; n < cols; ++n) out[n] = accumulate ? out[n] + tmp[n] : tmp[n];
+        }
+      }
+    }
+  }
+}
+#endif
 
 // Threads for a parallel region of `flops` floating-point operations: one per kParallelFlops, at
 // least one, at most omp_get_max_threads(). A fork-join costs microseconds, and every barrier waits
@@ -151,10 +201,12 @@ void SiluMul(const float* g, const float* u, int64_t n, float* out) {
 inline float HSum(v16 v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(v));
-#else
-  float t = 0.f;
-  for (int i = 0; i < 16; ++i) t += v[i];
-  return t;
+#else                                                       // halves, quarters, then 4 lanes
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 #endif
 }
 
