@@ -41,9 +41,10 @@ inline void store(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
 //
 // The register tile is sized for the machine's vector registers: with AVX-512 (32 x 16 lanes) one
 // pass holds all 8 x 48 outputs (24 accumulators); without it (AVX2: 16 x 8 lanes) that tile would
-// spill most of its accumulators to the stack on every k (~7x slower), so the tile runs as passes
-// of 4 rows x 24 columns (12 accumulators, 3 panel vectors, 1 broadcast), only over the rows that
-// exist. Each output element sums over k in the same order either way.
+// spill most of its accumulators to the stack on every k (~18x slower), so the tile runs as passes
+// of 4 rows x 24 columns (12 accumulators, 3 panel vectors, 1 broadcast), and the last 1-3 rows
+// (a decode step of one row) as passes of 2 or 1 rows over all 48 columns, streaming the panel
+// once. Each output element sums over k in the same order either way.
 #ifdef __AVX512F__
 inline void Tile(const float* A, int64_t lda, const float* panel, int64_t K, float* C, int64_t ldc, int64_t mr,
                  int64_t nvalid, bool accumulate, const float* prefetch, int64_t pf_step) {
@@ -77,42 +78,47 @@ inline void Tile(const float* A, int64_t lda, const float* panel, int64_t K, flo
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8*>(p); }
 inline void store8(float* p, v8 v) { *reinterpret_cast<v8*>(p) = v; }
-constexpr int64_t kSubR = 4, kSubN = 24;   // one pass: 4 rows x 24 columns (3 vectors of 8)
+
+// One pass: C[R, 8 NV] (+)= A[R, K] @ panel columns [n0, n0 + 8 NV) (b = panel + n0), R x NV
+// accumulators; `cols` (<= 8 NV) of them written.
+template <int R, int NV>
+inline void Pass(const float* A, int64_t lda, const float* b, int64_t K, float* C, int64_t ldc, int64_t cols,
+                 bool accumulate, const float* prefetch, int64_t pf_step) {
+  v8 c[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) c[r][j] = v8{};
+  for (int64_t k = 0; k < K; ++k, b += kNR) {
+    if (prefetch)
+      for (int64_t j = 0; j < pf_step; j += 16) __builtin_prefetch(prefetch + k * pf_step + j, 0, 3);
+#pragma GCC unroll 6
+    for (int j = 0; j < NV; ++j) {
+      const v8 bj = load8(b + 8 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) c[r][j] += A[r * lda + k] * bj;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = C + r * ldc;
+    if (cols == 8 * NV) {
+      for (int j = 0; j < NV; ++j) store8(out + 8 * j, accumulate ? load8(out + 8 * j) + c[r][j] : c[r][j]);
+    } else {
+      alignas(32) float tmp[8 * NV];
+      for (int j = 0; j < NV; ++j) store8(tmp + 8 * j, c[r][j]);
+      for (int64_t n = 0; n < cols; ++n) out[n] = accumulate ? out[n] + tmp[n] : tmp[n];
+    }
+  }
+}
 
 inline void Tile(const float* A, int64_t lda, const float* panel, int64_t K, float* C, int64_t ldc, int64_t mr,
                  int64_t nvalid, bool accumulate, const float* prefetch, int64_t pf_step) {
-  for (int64_t r0 = 0; r0 < mr; r0 += kSubR) {
-    const float* a0 = A + r0 * lda;
-    for (int64_t n0 = 0; n0 < nvalid; n0 += kSubN) {
-      const bool pf = prefetch && r0 == 0 && n0 == 0;      // the next panel's stream, on the first pass
-      v8 c[kSubR][3];
-      for (int r = 0; r < kSubR; ++r) c[r][0] = c[r][1] = c[r][2] = v8{};
-      for (int64_t k = 0; k < K; ++k) {
-        const float* b = panel + k * kNR + n0;
-        if (pf)
-          for (int64_t j = 0; j < pf_step; j += 16) __builtin_prefetch(prefetch + k * pf_step + j, 0, 3);
-        const v8 b0 = load8(b), b1 = load8(b + 8), b2 = load8(b + 16);
-#pragma GCC unroll 4
-        for (int r = 0; r < kSubR; ++r) {
-          const float a = a0[r * lda + k];
-          c[r][0] += a * b0;
-          c[r][1] += a * b1;
-          c[r][2] += a * b2;
-        }
-      }
-      const int64_t rows = std::min(kSubR, mr - r0), cols = std::min(kSubN, nvalid - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = C + (r0 + r) * ldc + n0;
-        if (cols == kSubN) {
-          for (int j = 0; j < 3; ++j) store8(out + 8 * j, accumulate ? load8(out + 8 * j) + c[r][j] : c[r][j]);
-        } else {
-          alignas(32) float tmp[kSubN];
-          for (int j = 0; j < 3; ++j) store8(tmp + 8 * j, c[r][j]);
-          for (int64_t n = 0; n < cols; ++n) out[n] = accumulate ? out[n] + tmp[n] : tmp[n];
-        }
-      }
-    }
-  }
+  int64_t r = 0;
+  for (; r + 4 <= mr; r += 4)                         // 4 rows x 24 columns, twice
+    for (int64_t n0 = 0; n0 < nvalid; n0 += 24, prefetch = nullptr)
+      Pass<4, 3>(A + r * lda, lda, panel + n0, K, C + r * ldc + n0, ldc, std::min<int64_t>(24, nvalid - n0),
+                 accumulate, prefetch, pf_step);
+  for (; r + 2 <= mr; r += 2, prefetch = nullptr)     // the rest: the whole panel in one pass per 1-2 rows
+    Pass<2, 6>(A + r * lda, lda, panel, K, C + r * ldc, ldc, nvalid, accumulate, prefetch, pf_step);
+  if (r < mr) Pass<1, 6>(A + r * lda, lda, panel, K, C + r * ldc, ldc, nvalid, accumulate, prefetch, pf_step);
 }
 #endif
 
@@ -247,20 +253,24 @@ void AttendGroup(const float* q, int64_t G, const float* const* keys, const floa
     for (t = 0; t < n; ++t) sg[t] *= inv;
   }
   if (vec) {
+    // PV in chunks of kChunk tokens: each (head, 16 lanes) sums the chunk in one register, the
+    // chunk's value rows (kChunk x hd floats) staying in L1 for the G heads. (An accumulator per
+    // (head, lane group) across all tokens, indexed at run time, lived on the stack: a load and a
+    // store per token and head.)
+    constexpr int64_t kChunk = 32;
     const int64_t nv = hd / 16;
-    v16 acc[16 * 16];
-    for (int64_t i = 0; i < G * nv; ++i) acc[i] = v16{};
-    for (int64_t t = 0; t < n; ++t) {
-      const float* v = vals[t];
-      v16 vc[16];
-      for (int64_t c = 0; c < nv; ++c) vc[c] = load(v + 16 * c);
+    std::fill(out, out + G * hd, 0.f);
+    for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+      const int64_t t1 = std::min(n, t0 + kChunk);
       for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * ld + t];
-        for (int64_t c = 0; c < nv; ++c) acc[g * nv + c] += p * vc[c];
+        const float* sg = s + g * ld;
+        for (int64_t c = 0; c < nv; ++c) {
+          v16 acc = v16{};
+          for (int64_t t = t0; t < t1; ++t) acc += sg[t] * load(vals[t] + 16 * c);
+          store(out + g * hd + 16 * c, load(out + g * hd + 16 * c) + acc);
+        }
       }
     }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < nv; ++c) store(out + g * hd + 16 * c, acc[g * nv + c]);
   } else {
     std::fill(out, out + G * hd, 0.f);
     for (int64_t t = 0; t < n; ++t)

@@ -1,0 +1,78 @@
+"""The native CPU decode step vs XLA's, side by side: ms per decode call of the engine's own step.
+
+    python -m benchmarks.native_decode [--model tiny] [--rows 1 8 32 64] [--repeats 5] [--calls 8]
+
+For each `--rows` value, two engines (`EngineConfig.cpu_decode` "native" and "xla"; base weights,
+greedy) serve that many requests of 16 random prompt tokens -> 32 tokens once, recording their step
+calls (benchmarks.bare_loop's Recorder); one recorded decode call of each (the 11th: every row
+decoding, ~10 tokens of context) is then replayed `--calls` times back to back on its own KV pool
+(donated and fed back), the two variants alternating `--repeats` times. Printed: median (min-max) ms
+per call and native / XLA speed (XLA ms / native ms: > 1 when native is faster), and how many of the
+served requests' 32 greedy tokens were equal on the two paths. The engine's
+`cpu_decode="auto"` takes the native step wherever it can serve; this is what that choice is worth on
+this CPU (the header names it and whether it has AVX-512: decode.cc's GEMM tile differs).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+
+from benchmarks.common import cpu_model, load_runner, log, random_prompts, serve
+
+
+def recorded_decode(runner, rows: int, mode: str):
+    """(engine, one recorded decode call of its step, a fresh KV pool, the served requests' tokens) for
+    cpu_decode=`mode`."""
+    from benchmarks import bare_loop as bl
+    args = argparse.Namespace(requests=rows, prompt_len=16, max_tokens=32, n_adapters=8, cpu_decode=mode)
+    eng, picks = bl.served_engine(runner, None, 4, args, 1)
+    if mode == "native" and eng.step_runner.native is None:
+        sys.exit("the native decode step is unavailable here (see the log line above)")
+    rec = bl.Recorder(eng)
+    served = serve(eng, random_prompts(rows, 16, runner.cfg.vocab_size, 5), picks, 32)
+    calls = [c for c in rec.staged() if type(c).__name__ == "DecodeCall"]
+    return eng, calls[min(10, len(calls) - 1)], eng.step_runner.new_cache(), served.outputs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="'tiny', a GGUF/HF path, or the embedded SmolLM2-135M (default)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=8, help="decode calls per timed repeat")
+    args = ap.parse_args(argv)
+    runner = load_runner(args.model)
+    cfg = runner.cfg
+    log(f"# {jax.devices()[0].platform}, {cpu_model()}; model layers={cfg.n_layers} d={cfg.d_model} "
+        f"vocab={cfg.vocab_size}, float32; {args.calls} calls per repeat, {args.repeats} repeats round-robin")
+    log("| rows | native ms per call | XLA ms per call | native / XLA speed (median, per-repeat range) |")
+    log("|---:|---:|---:|---:|")
+    for rows in args.rows:
+        cases = {m: list(recorded_decode(runner, rows, m)) for m in ("native", "xla")}
+        same = sum(a == b for a, b in zip(cases["native"].pop(), cases["xla"].pop()))
+        times = {m: [] for m in cases}
+        for _ in range(args.repeats):
+            for m, case in cases.items():
+                eng, call, cache = case
+                out, cache = eng.step_runner.run_on(call, cache)        # untimed: this pool's first call
+                jax.block_until_ready(out)
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    out, cache = eng.step_runner.run_on(call, cache)
+                jax.block_until_ready(out)
+                times[m].append((time.perf_counter() - t0) / args.calls * 1e3)
+                case[2] = cache
+        per = [x / n for n, x in zip(times["native"], times["xla"])]
+        fmt = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"   # noqa: E731
+        log(f"| {rows} | {fmt(times['native'])} | {fmt(times['xla'])} | "
+            f"{statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f}x) |")
+        log(f"# {rows} rows: greedy outputs equal, native vs XLA: {same} of {rows} requests")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
