@@ -257,7 +257,8 @@ def test_engine_cpu_decode_choice():
 @pytest.mark.slow
 def test_tile_without_avx512_matches_in_a_build_without_it(tmp_path):
     """decode.cc has two GEMM register tiles: 8 x 48 on 16-lane vectors with AVX-512, passes of
-    4 x 24 on 8-lane vectors without it (the 8 x 48 tile spilled on AVX2 and ran ~7x slower there).
+    4 x 24 (and 2 or 1 x 48 for the last rows) on 8-lane vectors without it (the 8 x 48 tile spilled
+    on AVX2 and ran ~18x slower there).
     This machine's default build runs one of them; a build with $CXX carrying -mno-avx512f (its own
     cache folder: $CXX is part of the build key) runs the AVX2 tile whatever this CPU has. The packed
     matmul (row and column tails) and the decode step against the XLA path, in that build."""
