@@ -207,11 +207,12 @@ void SiluMul(const float* g, const float* u, int64_t n, float* out) {
 inline float HSum(v16 v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(v));
-#else                                                       // halves, quarters, then 4 lanes
-  typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#else  // halves, quarters, then 4 lanes (plain loads: __builtin_shufflevector needs GCC >= 12)
+  typedef float v4 __attribute__((vector_size(16), aligned(4)));
+  const float* f = reinterpret_cast<const float*>(&v);
+  alignas(32) float h[8];
+  store8(h, load8(f) + load8(f + 8));
+  const v4 b = *reinterpret_cast<const v4*>(h) + *reinterpret_cast<const v4*>(h + 4);
   return (b[0] + b[2]) + (b[1] + b[3]);
 #endif
 }
