@@ -15,26 +15,28 @@ this CPU (the header names it and whether it has AVX-512: decode.cc's GEMM tile 
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
 import time
 
 import jax
 
-from benchmarks.common import cpu_model, load_runner, log, random_prompts, serve
+from benchmarks.common import (cpu_model, load_runner, log, random_prompts, round_robin, serve, spread,
+                               stats)
 
 
 def recorded_decode(runner, rows: int, mode: str):
     """(engine, one recorded decode call of its step, a fresh KV pool, the served requests' tokens) for
     cpu_decode=`mode`."""
     from benchmarks import bare_loop as bl
+    from serve.step_runner import DecodeCall
     args = argparse.Namespace(requests=rows, prompt_len=16, max_tokens=32, n_adapters=8, cpu_decode=mode)
     eng, picks = bl.served_engine(runner, None, 4, args, 1)
     if mode == "native" and eng.step_runner.native is None:
         sys.exit("the native decode step is unavailable here (see the log line above)")
     rec = bl.Recorder(eng)
     served = serve(eng, random_prompts(rows, 16, runner.cfg.vocab_size, 5), picks, 32)
-    calls = [c for c in rec.staged() if type(c).__name__ == "DecodeCall"]
+    calls = [c for c in rec.staged() if isinstance(c, DecodeCall)]
     return eng, calls[min(10, len(calls) - 1)], eng.step_runner.new_cache(), served.outputs
 
 
@@ -54,22 +56,25 @@ def main(argv=None) -> int:
     for rows in args.rows:
         cases = {m: list(recorded_decode(runner, rows, m)) for m in ("native", "xla")}
         same = sum(a == b for a, b in zip(cases["native"].pop(), cases["xla"].pop()))
-        times = {m: [] for m in cases}
-        for _ in range(args.repeats):
-            for m, case in cases.items():
-                eng, call, cache = case
-                out, cache = eng.step_runner.run_on(call, cache)        # untimed: this pool's first call
-                jax.block_until_ready(out)
-                t0 = time.perf_counter()
-                for _ in range(args.calls):
-                    out, cache = eng.step_runner.run_on(call, cache)
-                jax.block_until_ready(out)
-                times[m].append((time.perf_counter() - t0) / args.calls * 1e3)
-                case[2] = cache
-        per = [x / n for n, x in zip(times["native"], times["xla"])]
-        fmt = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"   # noqa: E731
-        log(f"| {rows} | {fmt(times['native'])} | {fmt(times['xla'])} | "
-            f"{statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f}x) |")
+
+        def timed(_rep, case):
+            eng, call, cache = case
+            out, cache = eng.step_runner.run_on(call, cache)            # untimed: this pool's first call
+            jax.block_until_ready(out)
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                out, cache = eng.step_runner.run_on(call, cache)
+            jax.block_until_ready(out)
+            dt = time.perf_counter() - t0
+            case[2] = cache
+            return {"tok_per_s": rows * args.calls / dt, "ms": dt / args.calls * 1e3}
+
+        runs = round_robin({m: functools.partial(timed, case=c) for m, c in cases.items()}, args.repeats,
+                           lambda _line: None)
+        times = {m: [r["ms"] for r in v] for m, v in runs.items()}
+        med, lo, hi = stats(x / n for n, x in zip(times["native"], times["xla"]))
+        log(f"| {rows} | {spread(times['native'], '{:.2f}')} | {spread(times['xla'], '{:.2f}')} | "
+            f"{med:.2f}x ({lo:.2f}-{hi:.2f}x) |")
         log(f"# {rows} rows: greedy outputs equal, native vs XLA: {same} of {rows} requests")
     return 0
 

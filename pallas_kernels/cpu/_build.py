@@ -6,8 +6,8 @@ XLA FFI headers into a cache folder keyed by the source, the jaxlib version, thi
 instruction-set flags, and $CXX (a compiler command may carry flags: `g++ -mno-avx512f`)
 (<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's: $PREFT_JAX_CACHE_DIR, else
 $XDG_CACHE_HOME/preft_jax, else ~/.cache/preft_jax), so a cache shared between machines never
-hands one CPU another's build, nor one compiler command another's. Nothing is built at import: the first `available()` (or op call)
-builds, later processes load the cached file.
+hands one CPU another's build, nor one compiler command another's. Nothing is built at import: the
+first `available()` (or op call) builds, later processes load the cached file.
 
 Compiler: `$CXX` when set (only it: the user chose it), else the first of c++, clang++, g++ on PATH
 that builds the file.

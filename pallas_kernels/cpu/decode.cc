@@ -6,10 +6,9 @@
 //
 // Weights are packed once (pack_panels in decode.py): panel p holds columns [48p, 48p + 48) of
 // W [K, N] as K contiguous rows of 48 floats (zero-padded past N), so a GEMM streams each panel
-// once, in order. The register tile is 8 rows x 48 columns (see Tile for machines without AVX-512); the panels
-// are split across threads (OpenMP). The code is plain C++ with GCC vector extensions: AVX-512
-// machines get 16-lane vectors, others the compiler's split of them (and a GEMM tile sized for 16
-// registers of 8 lanes: see Tile).
+// once, in order. The register tile is 8 rows x 48 columns with AVX-512, passes of fewer rows and
+// columns without it (see Tile); the panels are split across threads (OpenMP). The code is plain C++
+// with GCC vector extensions: AVX-512 machines get 16-lane vectors, others the compiler's split of them.
 #include <omp.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
