@@ -1,5 +1,5 @@
 """bfloat16 end to end (weights, KV cache, adapter bank): float32 where it matters, logits within a
-measured tolerance of float32, greedy generations equal to float32 on the HF-parity prompts.
+measured tolerance of float32, greedy tokens that float32 rates within a near-tie of its best.
 
 Tolerances (measured on CPU, SmolLM2-135M, 5 chat prompts + 30 random tokens, jnp backend):
   max |log_softmax(bf16) - log_softmax(f32)| over entries with f32 log-prob > -10: 0.61 (chat
@@ -8,8 +8,11 @@ Tolerances (measured on CPU, SmolLM2-135M, 5 chat prompts + 30 random tokens, jn
   top-1 agreement >= 0.967                                             -> bound 0.95
   HF transformers in bf16 vs its own f32, same prompts: max 1.04 (entries > -10), mean KL 0.0026-0.0033,
   i.e. our bf16 path is closer to f32 than transformers' bf16 (asserted below, 1.25x slack).
-  Greedy: bf16 == f32 for the first 21 tokens of the haiku prompt and the whole 7-token answer of the
-  capital prompt (then both stop)                                      -> N = 16 tokens
+  Greedy: bf16 and f32 may part at a near-tie, and only there. On a CPU with AVX-512 bf16 == f32 for
+  16 tokens of the haiku and the capital prompts; on an AMD EPYC without it the capital prompt's
+  first token flips ("L'..." instead of "The ..."): f32 puts "The" 0.08 above "L". So the greedy test
+  scores bf16's own tokens under teacher-forced f32: each is within GREEDY_GAP of f32's best there
+  (2 x the 0.61 worst bf16 log-prob error on chat prompts; measured worst gap 0.21 on 6 prompts).
 """
 import os
 
@@ -32,6 +35,7 @@ _logits = jax.jit(sequence_logits, static_argnums=0)
 CHAT = ["Write a haiku about the sea.", "What is the capital of France?",
         "Explain photosynthesis in one sentence.", "List three prime numbers.", "Who wrote Hamlet?"]
 GREEDY_TOKENS = 16
+GREEDY_GAP = 1.25
 
 
 def _log_softmax(x):
@@ -118,10 +122,21 @@ def test_bf16_no_further_from_float32_than_transformers_bf16(real, default_gguf_
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_bf16_greedy_equals_float32_on_hf_parity_prompts(real):
+def test_bf16_greedy_picks_no_token_float32_finds_clearly_worse(real):
+    """bf16 greedy tokens, teacher-forced through float32: at every step the chosen token's f32 logit
+    is within GREEDY_GAP of the f32 maximum (bf16 parts from f32 only at near-ties; a broken bf16
+    path picks tokens several logits down). A flip must be a near-tie in f32's own greedy run too."""
     runners, tok, ids, _ = real
     sp = SamplingParams(max_new_tokens=GREEDY_TOKENS)
-    for x in ids[:2]:                                # the prompts of tests/test_hf_parity.py
-        g32, g16 = (runners[dt].generate([x], sp)[0] for dt in ("float32", "bfloat16"))
-        assert g16.tokens == g32.tokens, (tok.decode(g32.tokens), tok.decode(g16.tokens))
-    assert "Paris" in tok.decode(g16.tokens)
+    r32 = runners["float32"]
+    for x in ids[:len(CHAT)]:
+        g32, g16 = (runners[dt].generate([x], sp)[0].tokens for dt in ("float32", "bfloat16"))
+        seq = list(x) + g16
+        lg = np.asarray(_logits(r32.graphdef, r32.state, jnp.asarray([seq]), jnp.asarray([len(seq)]))[0])
+        steps = lg[len(x) - 1:len(x) - 1 + len(g16)]
+        gaps = steps.max(-1) - steps[np.arange(len(g16)), g16]
+        assert gaps.max() < GREEDY_GAP, (tok.decode(g32), tok.decode(g16), np.round(gaps, 3).tolist())
+        same = next((i for i, (a, b) in enumerate(zip(g32, g16)) if a != b), min(len(g32), len(g16)))
+        assert g16[:same] == g32[:same] and len(g16) > 0
+        if same < min(len(g32), len(g16)):          # the step where they part: a near-tie for f32
+            assert gaps[same] < GREEDY_GAP and gaps[same] > 0, (same, gaps[same])
