@@ -10,7 +10,7 @@
 // columns without it (see Tile); the panels are split across threads (OpenMP). The code is plain C++
 // with GCC vector extensions: AVX-512 machines get 16-lane vectors, others the compiler's split of them.
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -216,6 +216,25 @@ inline float HSum(v16 v) {
 #endif
 }
 
+#if !defined(__AVX512F__) && defined(__AVX__)
+// s[j] = (q . k[j]) * scale for 8 keys at once (hd % 8 == 0): eight 8-lane accumulators, then one
+// transpose-sum (a tree of hadds) instead of eight horizontal sums through memory, one per key.
+inline void Dot8(const float* q, const float* const* k, int64_t hd, float scale, float* s) {
+  v8 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = v8{};
+  for (int64_t c = 0; c < hd; c += 8) {
+    const v8 qc = load8(q + c);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] += qc * load8(k[j] + c);
+  }
+  const __m256 h01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), h23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 h45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), h67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 h03 = _mm256_hadd_ps(h01, h23), h47 = _mm256_hadd_ps(h45, h67);   // per 128-bit half: keys 0-3, 4-7
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
+  _mm256_storeu_ps(s, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+#endif
+
 // The G query heads sharing one KV head (q: G x hd contiguous) over n tokens (keys[t], vals[t]: hd
 // floats each): softmax(q k / sqrt(hd)) v -> out (G x hd). Each key and value row is loaded once
 // for all G heads. s: scratch of G * (n + 16) floats.
@@ -223,7 +242,13 @@ void AttendGroup(const float* q, int64_t G, const float* const* keys, const floa
                  int64_t hd, float scale, float* s, float* out) {
   const int64_t ld = n + 16;
   const bool vec = hd % 16 == 0 && hd <= 256 && G <= 16;
-  for (int64_t t = 0; t < n; ++t) {
+  int64_t done = 0;
+#if !defined(__AVX512F__) && defined(__AVX__)
+  if (vec)                                                   // whole blocks of 8 keys, then one by one
+    for (; done + 8 <= n; done += 8)
+      for (int64_t g = 0; g < G; ++g) Dot8(q + g * hd, keys + done, hd, scale, s + g * ld + done);
+#endif
+  for (int64_t t = done; t < n; ++t) {
     const float* k = keys[t];
     if (vec) {
       v16 kc[16];
@@ -244,13 +269,24 @@ void AttendGroup(const float* q, int64_t G, const float* const* keys, const floa
   for (int64_t g = 0; g < G; ++g) {                         // softmax of each head's row, in place
     float* sg = s + g * ld;
     float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16) store(sg + t, VecExp(load(sg + t) - mx));
-    for (; t < n; ++t) sg[t] = std::exp(sg[t] - mx);
-    for (t = 0; t < n; ++t) sum += sg[t];
+    const int64_t nv = n / 16 * 16;                         // 16 lanes at a time, then the rest
+    v16 vmx = v16{} - INFINITY, vsum = v16{};
+    for (int64_t t = 0; t < nv; t += 16) {
+      const v16 x = load(sg + t);
+      vmx = x > vmx ? x : vmx;
+    }
+    for (int j = 0; j < 16; ++j) mx = std::max(mx, vmx[j]);
+    for (int64_t t = nv; t < n; ++t) mx = std::max(mx, sg[t]);
+    for (int64_t t = 0; t < nv; t += 16) {
+      const v16 e = VecExp(load(sg + t) - mx);
+      store(sg + t, e);
+      vsum += e;
+    }
+    for (int64_t t = nv; t < n; ++t) sum += sg[t] = std::exp(sg[t] - mx);
+    sum += HSum(vsum);
     const float inv = 1.0f / sum;
-    for (t = 0; t < n; ++t) sg[t] *= inv;
+    for (int64_t t = 0; t < nv; t += 16) store(sg + t, load(sg + t) * inv);
+    for (int64_t t = nv; t < n; ++t) sg[t] *= inv;
   }
   if (vec) {
     // PV in chunks of kChunk tokens: each (head, 16 lanes) sums the chunk in one register, the
