@@ -136,7 +136,7 @@ def test_bf16_greedy_picks_no_token_float32_finds_clearly_worse(real):
         steps = lg[len(x) - 1:len(x) - 1 + len(g16)]
         gaps = steps.max(-1) - steps[np.arange(len(g16)), g16]
         assert gaps.max() < GREEDY_GAP, (tok.decode(g32), tok.decode(g16), np.round(gaps, 3).tolist())
-        same = next((i for i, (a, b) in enumerate(zip(g32, g16)) if a != b), min(len(g32), len(g16)))
-        assert g16[:same] == g32[:same] and len(g16) > 0
-        if same < min(len(g32), len(g16)):          # the step where they part: a near-tie for f32
-            assert gaps[same] < GREEDY_GAP and gaps[same] > 0, (same, gaps[same])
+        assert len(g16) > 0
+        split = next((i for i, (a, b) in enumerate(zip(g32, g16)) if a != b), None)
+        if split is not None:       # where they part, teacher-forced f32 agrees with f32's own greedy run
+            assert gaps[split] > 0, (split, gaps[split])       # (and gaps < GREEDY_GAP: a near-tie)

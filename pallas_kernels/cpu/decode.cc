@@ -8,7 +8,8 @@
 // W [K, N] as K contiguous rows of 48 floats (zero-padded past N), so a GEMM streams each panel
 // once, in order. The register tile is 8 rows x 48 columns with AVX-512, passes of fewer rows and
 // columns without it (see Tile); the panels are split across threads (OpenMP). The code is plain C++
-// with GCC vector extensions: AVX-512 machines get 16-lane vectors, others the compiler's split of them.
+// with GCC vector extensions: AVX-512 machines get 16-lane vectors, others the compiler's split of them;
+// intrinsics only for horizontal sums (HSum with AVX-512, attention's Dot8 with AVX).
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
