@@ -63,7 +63,8 @@ def served_engine(runner, adapter_dir, steps, args, fused: int = 1):
 
 class Recorder:
     """Keeps every step call of an engine (`StepRunner.add_call_hook`): the `StepCall`s, their
-    arguments on the device (tokens from an earlier call are that call's output)."""
+    arguments on the device (tokens from an earlier call are that call's output), and with
+    `keep_outputs` each call's output (tests; `host_only`)."""
 
     def __init__(self, engine, keep_outputs: bool = False):
         self.engine, self.calls = engine, []
@@ -111,6 +112,42 @@ def bare_loop(engine, staged, outputs: list | None = None) -> float:
     return time.perf_counter() - t0
 
 
+def host_only(engine, calls, outputs, serve_all) -> float:
+    """Host CPU seconds (`time.thread_time`) of `serve_all()` with every device call of the engine
+    answered by the recorded output of the same call (`calls`, `outputs`: a `Recorder` of a run of
+    the same `serve_all()`): the engine's own work, no device computation beside it. Raises when the
+    engine makes another sequence of calls than the recorded one (then the figure would be another
+    workload's)."""
+    runner, it = engine.step_runner, iter(zip(calls, outputs))
+    saved, wrong = runner._run, []
+    shape = lambda c: (type(c).__name__, c.rows, c.width, getattr(c, "steps", 1))    # noqa: E731
+
+    def answer(call):
+        want, out = next(it, (None, None))
+        if want is None or shape(call) != shape(want):
+            wrong.append(f"host_only: the engine made another call than the recorded one: {shape(call)} "
+                         f"(kind, rows, width, steps), recorded {None if want is None else shape(want)}")
+            raise RuntimeError(wrong[-1])         # the engine fails the call's requests; reported below
+        return out
+
+    runner._run = answer
+    try:
+        c0 = time.thread_time()
+        serve_all()
+        cpu = time.thread_time() - c0
+    except Exception as e:
+        if wrong:
+            raise RuntimeError(wrong[0]) from e
+        raise
+    finally:
+        runner._run = saved
+    if wrong:
+        raise RuntimeError(wrong[0])
+    if next(it, None) is not None:
+        raise RuntimeError("host_only: the engine made fewer calls than the recorded run")
+    return cpu
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench-dir", default="/work/bench_data")
@@ -149,20 +186,26 @@ def main(argv=None) -> int:
         for steps, fused in [(st, k) for k in args.fused for st in args.steps if st > 1 or k == 1]:
             name = f"{label} steps={steps}" + (f" fused={fused}" if fused > 1 else "")
             eng, picks = served_engine(runner, adir if with_ad else None, steps, args, fused)
-            rec = Recorder(eng)
+            rec = Recorder(eng, keep_outputs=True)
             held = {}
 
             def run_engine(rep, eng=eng, rec=rec, held=held, picks=picks, name=name):
                 tokens = wall = 0
+                prompts = [random_prompts(args.requests, args.prompt_len, V, rep * args.bursts + b)
+                           for b in range(args.bursts)]
                 cpu0 = time.thread_time()
-                for b in range(args.bursts):
-                    s = serve(eng, random_prompts(args.requests, args.prompt_len, V, rep * args.bursts + b), picks,
-                              args.max_tokens)
+                for p in prompts:
+                    s = serve(eng, p, picks, args.max_tokens)
                     tokens, wall = tokens + s.tokens, wall + s.wall
                 cpu = time.thread_time() - cpu0                  # the host thread's CPU time: all its work,
-                held["staged"], held["tokens"] = rec.staged(), tokens   # overlapped with the device or not
+                calls_ = list(rec.calls)                         # overlapped with the device or not
+                outputs, rec.outputs = rec.outputs, []
+                held["staged"], held["tokens"] = rec.staged(), tokens
                 calls[name] = len(held["staged"]) // args.bursts
-                return {"tok_per_s": tokens / wall, "wall_s": wall, "calls": len(held["staged"]), "cpu_s": cpu}
+                jax.block_until_ready(outputs)
+                alone = host_only(eng, calls_, outputs, lambda: [serve(eng, p, picks, args.max_tokens) for p in prompts])
+                return {"tok_per_s": tokens / wall, "wall_s": wall, "calls": len(held["staged"]), "cpu_s": cpu,
+                        "host_only_s": alone}
 
             def run_bare(rep, eng=eng, held=held):
                 bare_loop(eng, held["staged"][:2])                   # untimed: touch the shapes once
@@ -174,17 +217,19 @@ def main(argv=None) -> int:
             cases[f"{name} (bare loop)"] = run_bare
     runs = round_robin(cases, args.repeats, log)
     log("\n| variant | device calls | engine tok/s | bare loop tok/s | engine / bare median | per-repeat min-max "
-        "| host us per call | host CPU us per call, engine / bare |")
-    log("|---|---:|---:|---:|---:|---:|---:|---:|")
+        "| host us per call | host CPU us per call, engine / bare | host-only us per call |")
+    log("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     ratios = {}
     for name in [k for k in runs if not k.endswith("(bare loop)")]:
         e, b = runs[name], runs[f"{name} (bare loop)"]
         per = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(e, b)]
         host = [(x["wall_s"] - y["wall_s"]) / x["calls"] * 1e6 for x, y in zip(e, b)]
         cpu_e, cpu_b = (stats([r["cpu_s"] / x["calls"] * 1e6 for r, x in zip(v, e)])[0] for v in (e, b))
+        alone = [r["host_only_s"] / r["calls"] * 1e6 for r in e]
         ratios[name] = stats(per)[0]
         log(f"| {name} | {calls[name]} | {spread([r['tok_per_s'] for r in e])} | {spread([r['tok_per_s'] for r in b])} "
-            f"| {ratios[name]:.2f}x | {min(per):.2f}-{max(per):.2f}x | {spread(host, '{:.0f}')} | {cpu_e:.0f} / {cpu_b:.0f} |")
+            f"| {ratios[name]:.2f}x | {min(per):.2f}-{max(per):.2f}x | {spread(host, '{:.0f}')} | {cpu_e:.0f} / {cpu_b:.0f} "
+            f"| {spread(alone, '{:.0f}')} |")
     log(f"# minimal calls for this workload: 1 prefill + {args.max_tokens - 1} decode = {args.max_tokens}")
     log(f"# total wall {time.perf_counter() - t_all:.0f} s; {args.repeats} round-robin repeats, medians (min-max)")
     write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls, "ratios": ratios})

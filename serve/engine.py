@@ -699,35 +699,42 @@ class Engine:
         call's k tokens per row in order, the rest of a row that stopped dropped). The common case -
         one token, no stop token, not the row's last tokens, no full block, no token hook, no
         log-probabilities - is one tight loop with one event per row; every other row goes through
-        `_process_row`. Full blocks are registered in the prefix cache only for rows whose positions
-        completed one."""
+        `_process_row`. Which rows may take the common case is decided column-wise first: a row
+        whose token is its last (`step.room`, the tokens it may still generate: its request's budget
+        and the context) or completes a KV block (registered in the prefix cache) takes `_process_row`."""
         host, k = to_host(step.out), step.steps
         tokens = host["tokens"][step.rows].tolist()             # one gather + conversion, not one per row
         now, pos, bs = time.monotonic(), step.positions, self.config.block_size
-        full = set(np.flatnonzero((pos + k) // bs > pos // bs).tolist())
-        max_len, gaps = self.config.max_model_len, []
+        ends_block = (pos + k) // bs > pos // bs
+        gaps = []
         with self._state:
             if k > 1 or "logprob" in host or self._token_hooks:
+                full = ends_block.tolist()
                 for i, (s, toks) in enumerate(zip(step.seqs, tokens)):
-                    self._process_row(step, i, s, toks, host, k, i in full, now, gaps)
+                    self._process_row(step, i, s, toks, host, k, full[i], now, gaps)
             else:
-                for i, (s, tok) in enumerate(zip(step.seqs, tokens)):
+                plain = (~ends_block & (step.room > 1)).tolist()
+                gap = gaps.append
+                for i, (s, tok, ok) in enumerate(zip(step.seqs, tokens, plain)):
                     req = s.req
-                    if (i in full or req.finished or s.status != DECODE or req.first_token_at is None
-                            or len(req.tokens) + 1 >= req.sampling.max_new_tokens or len(s.tokens) + 1 >= max_len
+                    if (not ok or req.finished or s.status != DECODE or req.first_token_at is None
                             or tok in req.stop_token_ids):
-                        self._process_row(step, i, s, tok, host, 1, i in full, now, gaps)
+                        self._process_row(step, i, s, tok, host, 1, bool(ends_block[i]), now, gaps)
                         continue
                     try:                                        # `_accept` without its rare branches
                         s.num_computed += 1
-                        gaps.append(now - req.last_token_at)
+                        gap(now - req.last_token_at)
                         req.last_token_at = now
                         s.tokens.append(tok)
                         req.tokens.append(tok)
-                        req.emit(("tokens", [tok]))
                     except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
                         log.exception("request %s: could not process its token", req.request_id)
                         self._terminate(req, error=_engine_failure("processing its output", req))
+                        continue
+                    try:                                        # `Request.emit`, inline: a broken sink
+                        req.events.put(("tokens", [tok]))       # never reaches the engine
+                    except Exception:  # noqa: BLE001
+                        pass
             self._new_tokens += len(gaps)
             self.metrics.inter_token.observe_many(gaps)
 

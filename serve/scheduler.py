@@ -132,10 +132,13 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Drops a finished / cancelled / failed sequence: frees its blocks and its device pin."""
-        if seq in self.running:
+        try:                                  # one scan, not a membership test and then a removal
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        except ValueError:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:

@@ -257,6 +257,7 @@ class DecodeRows:
         self._free = list(range(rows))       # a heap: the lowest free row first
         self.logprob_rows = 0                # rows that asked for log-probabilities
         self.adapted_rows = 0                # rows whose generated tokens use their adapter (slot pinned)
+        self._indexed: tuple = (None, None)  # (rows array, its index: `_index`)
 
     def update(self, seqs: list[Sequence], ahead: int, handed: np.ndarray | None = None) -> tuple[np.ndarray, int, bool]:
         """Makes the rows hold exactly `seqs` at their next position (+ `ahead` tokens dispatched but
@@ -327,18 +328,30 @@ class DecodeRows:
                 if not k and s in self.row_of:
                     self.release(s)
             rows = prev_rows[keep]
-        bs = self.block_size
-        pos = self.context_lens[rows].astype(np.int64) + by
+        bs, at = self.block_size, self._index(rows)
+        pos = self.context_lens[at].astype(np.int64) + by
         last = (pos + span - 1) // bs                                    # the last block the call reaches
-        for i in np.flatnonzero(last >= self._blocks[rows]).tolist():     # blocks not in the table yet
+        for i in np.flatnonzero(last >= self._blocks[at]).tolist():       # blocks not in the table yet
             r, blocks = int(rows[i]), seqs[i].blocks
             self.block_tables[r, self._blocks[r]:len(blocks)] = blocks[self._blocks[r]:]
             self._blocks[r] = len(blocks)
-        self.context_lens[rows] = pos
-        self.write_index[rows] = self.block_tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        self.counters[rows] += by
-        self.from_prev[rows] = 1
+        self.context_lens[at] = pos
+        self.write_index[at] = self.block_tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        self.counters[at] += by
+        self.from_prev[at] = 1
         return seqs, rows, int(last.max(initial=0)) + 1, pos
+
+    def _index(self, rows: np.ndarray):
+        """`rows` as an index of the column views: a basic slice when they are r0 .. r0 + n - 1 in
+        order (a batch admitted together; numpy views instead of a gather and a scatter per column),
+        else the array. Kept for the array object a chain of calls passes along (`advance`)."""
+        if self._indexed[0] is rows:
+            return self._indexed[1]
+        n = len(rows)
+        at = slice(int(rows[0]), int(rows[0]) + n) if n and rows[-1] - rows[0] == n - 1 and (
+            n < 3 or bool((rows[1:] > rows[:-1]).all())) else rows
+        self._indexed = (rows, at)
+        return at
 
     def _fill(self, seqs: list[Sequence]) -> list[int]:
         """Takes the lowest free rows for `seqs` and writes their per-request columns, column-wise."""
