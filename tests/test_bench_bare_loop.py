@@ -51,24 +51,28 @@ def test_replay_reproduces_every_engine_call(runner, steps):
             np.testing.assert_array_equal(np.asarray(g[k]), np.asarray(e[k]), err_msg=f"call {i}: {k}")
 
 
-def test_host_only_hands_out_the_recorded_tokens_and_refuses_another_workload(runner):
+@pytest.mark.parametrize("adapters", [[None] * 4, ["l0", None, "l1", "l0"]])
+def test_host_only_hands_out_the_recorded_tokens_and_refuses_another_workload(runner, adapters):
     """`host_only` serves the same requests again with every device call answered by its recorded
     output: the requests must get exactly the tokens of the real run (the engine's host work is the
     same), and a workload that makes other calls must raise, not report another workload's cost."""
     from benchmarks.bare_loop import host_only
-    eng = Engine(runner, AdapterRegistry(CFG, 0), EngineConfig(
+    reg = AdapterRegistry(CFG, 4, lora_rank=4, reft_rank=4)
+    for i in range(2):
+        reg.load(f"l{i}", random_lora(CFG, 20 + i))
+    eng = Engine(runner, reg, EngineConfig(
         max_num_seqs=4, max_model_len=64, max_prefill_seqs=4, max_num_batched_tokens=64, block_size=4,
-        enable_prefix_cache=False, num_scheduler_steps=4))
+        mode="prefill", enable_prefix_cache=False, num_scheduler_steps=4))
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, CFG.vocab_size, int(rng.integers(3, 12))).tolist() for _ in range(4)]
-    serve(eng, prompts, [None] * 4, 2)
+    serve(eng, prompts, adapters, 2)                    # adapters resident first, as in the benchmark
     rec = Recorder(eng, keep_outputs=True)
-    real = serve(eng, prompts, [None] * 4, 9)
+    real = serve(eng, prompts, adapters, 9)
     calls, outputs = list(rec.calls), list(rec.outputs)
     assert len(calls) >= 9
     got = []
-    cpu = host_only(eng, calls, outputs, lambda: got.append(serve(eng, prompts, [None] * 4, 9)))
+    cpu = host_only(eng, calls, outputs, lambda: got.append(serve(eng, prompts, adapters, 9)))
     assert cpu > 0 and got[0].outputs == real.outputs
     fresh = [rng.integers(1, CFG.vocab_size, 20).tolist() for _ in range(4)]   # longer prompts: other calls
     with pytest.raises(RuntimeError, match="another call than the recorded one|fewer calls"):
-        host_only(eng, calls, outputs, lambda: serve(eng, fresh, [None] * 4, 3))
+        host_only(eng, calls, outputs, lambda: serve(eng, fresh, adapters, 3))
