@@ -727,14 +727,10 @@ class Engine:
                         req.last_token_at = now
                         s.tokens.append(tok)
                         req.tokens.append(tok)
+                        req.emit(("tokens", [tok]))
                     except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
                         log.exception("request %s: could not process its token", req.request_id)
                         self._terminate(req, error=_engine_failure("processing its output", req))
-                        continue
-                    try:                                        # `Request.emit`, inline: a broken sink
-                        req.events.put(("tokens", [tok]))       # never reaches the engine
-                    except Exception:  # noqa: BLE001
-                        pass
             self._new_tokens += len(gaps)
             self.metrics.inter_token.observe_many(gaps)
 
