@@ -72,6 +72,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import operator
 import random
 import threading
 import time
@@ -98,6 +99,7 @@ from serve.warmup import freeze_heap, thaw_heap, warmup_tasks
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Request", "Result"]
 
+_FINISHED, _CANCELLED = operator.attrgetter("req.finished"), operator.attrgetter("req.cancelled")   # of a Sequence
 log = logging.getLogger("serve.engine")
 
 
@@ -679,7 +681,9 @@ class Engine:
         steps = self.step_runner.fused_steps()
         room = prev.room - prev.steps                           # tokens each row may generate after prev's
         keep = room >= 1
-        keep &= np.fromiter([not (s.req.finished or s.req.cancelled) for s in prev.seqs], bool, len(prev.seqs))
+        seqs = prev.seqs
+        if any(map(_FINISHED, seqs)) or any(map(_CANCELLED, seqs)):     # two C-level scans, the common case
+            keep &= np.fromiter([not (s.req.finished or s.req.cancelled) for s in seqs], bool, len(seqs))
         nxt = prev.positions + prev.steps                       # the first position the call writes
         reach = nxt + np.minimum(steps, room)                   # positions < reach need a home: the later
                                                                 # ones' tokens are dropped (written to no block)
@@ -691,82 +695,86 @@ class Engine:
                     keep[i] = self.scheduler.grow(prev.seqs[i], int(reach[i]))
         step = self.step_runner.continue_decode(prev, keep, steps)
         if step is not None:
-            step.room = room[keep]
+            step.room = room if step.seqs is seqs else room[keep]     # the same rows: the same order
         return step
 
     def _process_decode(self, step: DecodeStep):
         """Hands a decode call's tokens to its requests (the one host transfer of the call; a fused
         call's k tokens per row in order, the rest of a row that stopped dropped). The common case -
-        one token, no stop token, not the row's last tokens, no full block, no token hook, no
-        log-probabilities - is one tight loop with one event per row; every other row goes through
-        `_process_row`. Which rows may take the common case is decided column-wise first: a row
-        whose token is its last (`step.room`, the tokens it may still generate: its request's budget
-        and the context) or completes a KV block (registered in the prefix cache) takes `_process_row`."""
+        no stop token, not the row's last tokens, no token hook, no log-probabilities - is one tight
+        loop with one event per row (a fused call's k tokens in one); every other row goes through
+        `_process_row`, token by token through `_accept`. Which rows may take the common case is
+        decided column-wise first: a row whose tokens include its last (`step.room`, the tokens it
+        may still generate: its request's budget and the context) takes `_process_row`. With a
+        prefix cache, a row whose positions complete a KV block registers it."""
         host, k = to_host(step.out), step.steps
         tokens = host["tokens"][step.rows].tolist()             # one gather + conversion, not one per row
-        now, pos, bs = time.monotonic(), step.positions, self.config.block_size
-        ends_block = (pos + k) // bs > pos // bs
-        gaps = []
+        now, gaps, n = time.monotonic(), [], len(tokens)
+        plain = (step.room > k).tolist()
+        if self.pool.enable_prefix_cache:                       # no cache: no block to register
+            pos, bs = step.positions, self.config.block_size
+            full = ((pos + k) // bs > pos // bs).tolist()
+        else:
+            full = [False] * n
         with self._state:
-            if k > 1 or "logprob" in host or self._token_hooks:
-                full = ends_block.tolist()
-                for i, (s, toks) in enumerate(zip(step.seqs, tokens)):
-                    self._process_row(step, i, s, toks, host, k, full[i], now, gaps)
+            if "logprob" in host or self._token_hooks:
+                for i, (s, toks, reg) in enumerate(zip(step.seqs, tokens, full)):
+                    self._process_row(s, i, toks, step, host, reg, now)
             else:
-                plain = (~ends_block & (step.room > 1)).tolist()
-                gap = gaps.append
-                for i, (s, tok, ok) in enumerate(zip(step.seqs, tokens, plain)):
+                gap, pad = gaps.append, [0.0] * (k - 1)        # a fused call's tokens arrive together
+                for i, (s, toks, ok, reg) in enumerate(zip(step.seqs, tokens, plain, full)):
                     req = s.req
                     if (not ok or req.finished or s.status != DECODE or req.first_token_at is None
-                            or tok in req.stop_token_ids):
-                        self._process_row(step, i, s, tok, host, 1, bool(ends_block[i]), now, gaps)
+                            or (toks in req.stop_token_ids if k == 1 else
+                                any(map(req.stop_token_ids.__contains__, toks)))):
+                        self._process_row(s, i, toks, step, host, reg, now)
                         continue
                     try:                                        # `_accept` without its rare branches
-                        s.num_computed += 1
+                        s.num_computed += k
                         gap(now - req.last_token_at)
                         req.last_token_at = now
-                        s.tokens.append(tok)
-                        req.tokens.append(tok)
-                        req.emit(("tokens", [tok]))
+                        if k == 1:
+                            s.tokens.append(toks)
+                            req.tokens.append(toks)
+                            toks = [toks]
+                        else:
+                            gaps.extend(pad)
+                            s.tokens.extend(toks)
+                            req.tokens.extend(toks)
+                        req.emit(("tokens", toks))
                     except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
                         log.exception("request %s: could not process its token", req.request_id)
                         self._terminate(req, error=_engine_failure("processing its output", req))
+                        continue
+                    if reg:                                     # it goes on: its full block is registered
+                        self.scheduler.register_computed(s)
             self._new_tokens += len(gaps)
             self.metrics.inter_token.observe_many(gaps)
 
-    def _process_row(self, step: DecodeStep, i: int, s: Sequence, toks, host: dict, k: int, register: bool,
-                     now: float, gaps: list):
-        """`_process_decode` for row i of `step` (sequence `s`, its token or fused call's tokens
-        `toks`), through every rule: a token hook, log-probabilities, stop tokens, its last tokens,
-        a full block to register (`register`) before a token may end the request."""
-        req = s.req
+    def _process_row(self, s: Sequence, i: int, toks, step: DecodeStep, host: dict, register: bool, now: float):
+        """`_process_decode` for sequence `s` on row i of `step` (its token, or a fused call's
+        tokens `toks`), token by token through `_accept`: a token hook, log-probabilities, stop
+        tokens, its last tokens. A block the call completes (`register`) is registered before a
+        token may end the request (a fused call's once its earlier tokens are in: a block's hash
+        covers the tokens fed at its positions)."""
+        req, k = s.req, step.steps
         if req.finished or s.status != DECODE:
             return
         s.num_computed += k
         if k == 1:
             toks = [toks]
-        if ("logprob" in host or self._token_hooks or req.first_token_at is None
-                or len(req.tokens) + k >= req.sampling.max_new_tokens or len(s.tokens) + k >= self.config.max_model_len
-                or any(map(req.stop_token_ids.__contains__, toks))):
-            if register and k == 1:                             # before the token may end the request
+            if register:
                 self.scheduler.register_computed(s)
                 register = False
-            for token in toks:                                  # one by one, through every rule
-                if req.finished:
-                    break
-                self._accept_safely(s, token, token_entry(host, int(step.rows[i]), req.sampling.logprobs)
-                                    if "logprob" in host else None, now)
-        else:
-            try:                                                # `_accept` without its rare branches
-                gaps.append(now - req.last_token_at)
-                gaps.extend([0.0] * (k - 1))                    # a fused call's tokens arrive together
-                req.last_token_at = now
-                s.tokens.extend(toks)
-                req.tokens.extend(toks)
-                req.emit(("tokens", toks))
-            except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
-                log.exception("request %s: could not process its token", req.request_id)
-                self._terminate(req, error=_engine_failure("processing its output", req))
+        for token in toks:
+            if req.finished:
+                break
+            if register and (token in req.stop_token_ids or len(req.tokens) + 1 >= req.sampling.max_new_tokens
+                             or len(s.tokens) + 1 >= self.config.max_model_len):
+                self.scheduler.register_computed(s)             # a token `_accept` ends it with: blocks first
+                register = False
+            self._accept_safely(s, token, token_entry(host, int(step.rows[i]), req.sampling.logprobs)
+                                if "logprob" in host else None, now)
         if register and not req.finished:
             self.scheduler.register_computed(s)
 

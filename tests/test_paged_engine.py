@@ -276,3 +276,18 @@ def test_fused_decode_stops_and_sampling_equal_single_steps(runner):
     assert outs[4] == outs[1]
     reasons = [reason for _, reason in outs[4]]
     assert "stop" in reasons and "length" in reasons
+
+
+@pytest.mark.parametrize("fused", [1, 4])
+def test_blocks_completed_by_generated_tokens_serve_later_prompts(runner, fused):
+    """A block whose last positions are generated tokens is registered in the prefix cache when the
+    decode call completes it (single-step and fused calls, the common-case hand-out): a later prompt
+    made of that request's prompt and output reuses every full block, not only the prefilled one."""
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, CFG.vocab_size, 6).tolist()    # block 0 full after prefill, block 1 half
+    eng = _engine(runner, decode_steps_per_call=fused)
+    out = _run(eng, [(prompt, None, 12)])[0]                 # positions 0..16 computed: blocks 0-3 full
+    before = eng.pool.stats.hits
+    follow = prompt + out + rng.integers(0, CFG.vocab_size, 3).tolist()
+    assert _run(eng, [(follow, None, 2)])[0] == _alone(runner, follow, None, 2, "prefill")
+    assert eng.pool.stats.hits - before == 4
