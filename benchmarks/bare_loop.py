@@ -20,8 +20,13 @@ default model; none for `--model`). "host us per call" = (engine wall - bare wal
 the engine's host work per step that the device did not hide. "host CPU us per call": the host
 thread's CPU time (`time.thread_time`) per device call, engine and bare loop (its dispatches
 only): all the host's work, hidden or not - on a CPU "device" the host shares the cores with the
-computation, so hidden work still slows it. The last line is the first variant's
-(base, the first `--steps` value: 4 by default) median engine / bare ratio, its last number.
+computation, so hidden work still slows it. `--host-probe` adds two bare loops per repeat with a
+host beside them that reads each call's output and then sleeps, or computes, for the engine's
+host-only time per call: "bare with host asleep / bare" is what that much host work costs a device
+that does not share the host's cores (an accelerator: ~1.00 when the pipelining hides it), "bare
+with host busy / bare" what it costs this CPU, whose cores the device shares. The last line is the
+first variant's (base, the first `--steps` value: 4 by default) median engine / bare ratio, its last
+number.
 """
 from __future__ import annotations
 
@@ -97,19 +102,37 @@ def replay(engine, call, cache):
     return engine.step_runner.run_on(call, cache)
 
 
-def bare_loop(engine, staged, outputs: list | None = None) -> float:
+def bare_loop(engine, staged, outputs: list | None = None, host: tuple[str, float] | None = None) -> float:
     """Seconds to run the staged calls back to back through the engine's jitted step on a fresh KV
-    pool (each call's output appended to `outputs` when given)."""
+    pool (each call's output appended to `outputs` when given). `host` ("asleep" | "busy", seconds):
+    a host beside the loop - after each call is dispatched the previous call's output is read (as
+    the engine reads it, `to_host`) and the host then sleeps, or computes (a Python loop holding a
+    core, as the engine's own work does), that long before the next dispatch."""
+    from serve.step_runner import to_host
     cache = engine.step_runner.new_cache()
     jax.block_until_ready(cache.k)
     t0 = time.perf_counter()
-    nxt = None
+    nxt = prev = None
     for call in staged:
         nxt, cache = replay(engine, call, cache)
         if outputs is not None:
             outputs.append(nxt)
+        if host is not None and prev is not None:
+            to_host(prev)
+            _hold(*host)
+        prev = nxt
     jax.block_until_ready((nxt, cache))
     return time.perf_counter() - t0
+
+
+def _hold(mode: str, seconds: float) -> None:
+    """The host's time beside the device: asleep (no core used) or busy (a core used, the GIL held)."""
+    if mode == "asleep":
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def host_only(engine, calls, outputs, serve_all) -> float:
@@ -168,6 +191,11 @@ def main(argv=None) -> int:
                          "than one ~40 ms round on the tiny model, whose spread on this machine was 0.5-1.2x")
     ap.add_argument("--cpu-decode", default="auto", choices=("auto", "native", "xla"),
                     help="EngineConfig.cpu_decode: the CPU base decode path (both loops run the same one)")
+    ap.add_argument("--host-probe", action="store_true",
+                    help="also time the bare loop with a host beside it that reads each call's output and then "
+                         "sleeps ('asleep') or computes ('busy') for the engine's host-only time per call of that "
+                         "repeat: asleep/bare is what that host work costs where it does not share the device's "
+                         "cores (an accelerator), busy/bare what it costs a CPU device sharing them")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     t_all = time.perf_counter()
@@ -204,6 +232,7 @@ def main(argv=None) -> int:
                 calls[name] = len(held["staged"]) // args.bursts
                 jax.block_until_ready(outputs)
                 alone = host_only(eng, calls_, outputs, lambda: [serve(eng, p, picks, args.max_tokens) for p in prompts])
+                held["host_s"] = alone / len(held["staged"])      # the engine's host-only work per call
                 return {"tok_per_s": tokens / wall, "wall_s": wall, "calls": len(held["staged"]), "cpu_s": cpu,
                         "host_only_s": alone}
 
@@ -211,14 +240,19 @@ def main(argv=None) -> int:
                 bare_loop(eng, held["staged"][:2])                   # untimed: touch the shapes once
                 cpu0 = time.thread_time()
                 dt = bare_loop(eng, held["staged"])
-                return {"tok_per_s": held["tokens"] / dt, "wall_s": dt, "cpu_s": time.thread_time() - cpu0}
+                out = {"tok_per_s": held["tokens"] / dt, "wall_s": dt, "cpu_s": time.thread_time() - cpu0}
+                if args.host_probe:
+                    for mode in ("asleep", "busy"):
+                        out[f"host_{mode}_s"] = bare_loop(eng, held["staged"], host=(mode, held["host_s"]))
+                return out
 
             cases[name] = run_engine
             cases[f"{name} (bare loop)"] = run_bare
     runs = round_robin(cases, args.repeats, log)
+    probe = " bare with host asleep / bare | bare with host busy / bare |" if args.host_probe else ""
     log("\n| variant | device calls | engine tok/s | bare loop tok/s | engine / bare median | per-repeat min-max "
-        "| host us per call | host CPU us per call, engine / bare | host-only us per call |")
-    log("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        "| host us per call | host CPU us per call, engine / bare | host-only us per call |" + probe)
+    log("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 if args.host_probe else 0))
     ratios = {}
     for name in [k for k in runs if not k.endswith("(bare loop)")]:
         e, b = runs[name], runs[f"{name} (bare loop)"]
@@ -227,9 +261,11 @@ def main(argv=None) -> int:
         cpu_e, cpu_b = (stats([r["cpu_s"] / x["calls"] * 1e6 for r, x in zip(v, e)])[0] for v in (e, b))
         alone = [r["host_only_s"] / r["calls"] * 1e6 for r in e]
         ratios[name] = stats(per)[0]
+        probe = "".join(f" {spread([y['wall_s'] / y[f'host_{m}_s'] for y in b], '{:.2f}')} |"
+                        for m in ("asleep", "busy")) if args.host_probe else ""
         log(f"| {name} | {calls[name]} | {spread([r['tok_per_s'] for r in e])} | {spread([r['tok_per_s'] for r in b])} "
             f"| {ratios[name]:.2f}x | {min(per):.2f}-{max(per):.2f}x | {spread(host, '{:.0f}')} | {cpu_e:.0f} / {cpu_b:.0f} "
-            f"| {spread(alone, '{:.0f}')} |")
+            f"| {spread(alone, '{:.0f}')} |{probe}")
     log(f"# minimal calls for this workload: 1 prefill + {args.max_tokens - 1} decode = {args.max_tokens}")
     log(f"# total wall {time.perf_counter() - t_all:.0f} s; {args.repeats} round-robin repeats, medians (min-max)")
     write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls, "ratios": ratios})

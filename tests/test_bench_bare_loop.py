@@ -41,14 +41,16 @@ def test_replay_reproduces_every_engine_call(runner, steps):
     expected = jax.device_get(rec.outputs)
     staged = rec.staged()
     assert len(staged) == len(expected) >= 7            # one call per step at least (prefill + decode)
-    replayed = []
-    bare_loop(eng, staged, replayed)
-    got = jax.device_get(replayed)
-    for i, (e, g) in enumerate(zip(expected, got)):
-        e, g = (x if isinstance(x, dict) else {"tokens": x} for x in (e, g))
-        assert e.keys() == g.keys()
-        for k in e:
-            np.testing.assert_array_equal(np.asarray(g[k]), np.asarray(e[k]), err_msg=f"call {i}: {k}")
+    for host in (None, ("asleep", 1e-4), ("busy", 1e-4)):  # --host-probe: the same calls, a host beside them
+        replayed = []
+        bare_loop(eng, staged, replayed, host=host)
+        got = jax.device_get(replayed)
+        assert len(got) == len(expected)
+        for i, (e, g) in enumerate(zip(expected, got)):
+            e, g = (x if isinstance(x, dict) else {"tokens": x} for x in (e, g))
+            assert e.keys() == g.keys()
+            for k in e:
+                np.testing.assert_array_equal(np.asarray(g[k]), np.asarray(e[k]), err_msg=f"{host} call {i}: {k}")
 
 
 @pytest.mark.parametrize("adapters", [[None] * 4, ["l0", None, "l1", "l0"]])

@@ -42,7 +42,8 @@ def test_device_check_prepared_run_dry(tmp_path):
     assert re.search(r"^tiny f32 prefill 32 tokens \(2 x 16\) PreFT-LoRA N=3: ", figures, re.M)
     assert "tiny serving base, 2 requests x 4 -> 2 tokens" in figures and "of the roofline" in figures
     assert re.search(r"^tiny f32 sft step \(SFTTrainer.step\), batch 2 x seq 32: \d+ ms, MFU \d+%$", figures, re.M)
-    assert re.search(r"^tiny grpo: backward / forward = [\d.]+x", figures, re.M)
+    # the tiny model's backward is within its timing noise under load (a dry run measured -0.08x once)
+    assert re.search(r"^tiny grpo: backward / forward = -?[\d.]+x \(per round -?[\d.]+--?[\d.]+x", figures, re.M)
     assert "| 2 |" in text and "PreFT-ReFT / all-token" in text      # the serving table has its N=2 row
 
 
