@@ -754,24 +754,18 @@ class Engine:
     def _process_row(self, s: Sequence, i: int, toks, step: DecodeStep, host: dict, register: bool, now: float):
         """`_process_decode` for sequence `s` on row i of `step` (its token, or a fused call's
         tokens `toks`), token by token through `_accept`: a token hook, log-probabilities, stop
-        tokens, its last tokens. A block the call completes (`register`) is registered before a
-        token may end the request (a fused call's once its earlier tokens are in: a block's hash
-        covers the tokens fed at its positions)."""
+        tokens, its last tokens. A block the call completes (`register`) is registered before the
+        token that ends the request (once the call's earlier tokens are in: a block's hash covers
+        the tokens fed at its positions), else after its tokens."""
         req, k = s.req, step.steps
         if req.finished or s.status != DECODE:
             return
         s.num_computed += k
-        if k == 1:
-            toks = [toks]
-            if register:
-                self.scheduler.register_computed(s)
-                register = False
-        for token in toks:
+        for token in ([toks] if k == 1 else toks):
             if req.finished:
                 break
-            if register and (token in req.stop_token_ids or len(req.tokens) + 1 >= req.sampling.max_new_tokens
-                             or len(s.tokens) + 1 >= self.config.max_model_len):
-                self.scheduler.register_computed(s)             # a token `_accept` ends it with: blocks first
+            if register and self._ends_with(s, token):
+                self.scheduler.register_computed(s)             # the token that ends it: blocks first
                 register = False
             self._accept_safely(s, token, token_entry(host, int(step.rows[i]), req.sampling.logprobs)
                                 if "logprob" in host else None, now)
@@ -816,15 +810,26 @@ class Engine:
             self.metrics.inter_token.observe(now - req.last_token_at)
         req.last_token_at = now
         self._new_tokens += 1
-        if token in req.stop_token_ids:
+        reason = self._ends_with(seq, token)
+        if reason == "stop":
             return self._terminate(req, "stop")
         seq.tokens.append(token)
         req.tokens.append(token)
         if logprob is not None:
             req.emit(("logprobs", [logprob]))
         req.emit(("tokens", [token]))
-        if len(req.tokens) >= req.sampling.max_new_tokens or len(seq.tokens) >= self.config.max_model_len:
-            return self._terminate(req, "length")
+        if reason:
+            return self._terminate(req, reason)
+
+    def _ends_with(self, seq: Sequence, token: int) -> str | None:
+        """How `token`, the next one `seq` generates, ends its request: "stop" (a stop token, not
+        kept), "length" (its last: the request's budget or the context), or None."""
+        req = seq.req
+        if token in req.stop_token_ids:
+            return "stop"
+        if len(req.tokens) + 1 >= req.sampling.max_new_tokens or len(seq.tokens) + 1 >= self.config.max_model_len:
+            return "length"
+        return None
 
     def _terminate(self, req: Request, reason: str | None = None, error: EngineError | None = None):
         """The one way a request ends (finish or error); safe from any thread, the first call wins."""
