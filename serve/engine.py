@@ -88,6 +88,7 @@ from preft_jax.paged_kv import PagedKVCache
 from preft_jax.sampling import SamplingParams, seed_key_data
 from serve.engine_config import EngineConfig
 from serve.errors import DeadlineExceededError, EngineError, QueueFullError, RequestError, UnavailableError
+from serve.handout import Handout
 from serve.kv_blocks import BlockPool
 from serve.metrics import EngineMetrics
 from serve.registry import AdapterRegistry
@@ -695,61 +696,51 @@ class Engine:
                     keep[i] = self.scheduler.grow(prev.seqs[i], int(reach[i]))
         step = self.step_runner.continue_decode(prev, keep, steps)
         if step is not None:
-            step.room = room if step.seqs is seqs else room[keep]     # the same rows: the same order
+            if step.seqs is seqs:                               # the same rows, in the same order:
+                step.room = room                                # the chain's per-row handles go on
+                if prev.handout is None:
+                    prev.handout = Handout(seqs)
+                step.handout = prev.handout
+            else:
+                step.room = room[keep]
         return step
 
     def _process_decode(self, step: DecodeStep):
         """Hands a decode call's tokens to its requests (the one host transfer of the call; a fused
-        call's k tokens per row in order, the rest of a row that stopped dropped). The common case -
-        no stop token, not the row's last tokens, no token hook, no log-probabilities - is one tight
-        loop with one event per row (a fused call's k tokens in one); every other row goes through
-        `_process_row`, token by token through `_accept`. Which rows may take the common case is
-        decided column-wise first: a row whose tokens include its last (`step.room`, the tokens it
-        may still generate: its request's budget and the context) takes `_process_row`. With a
-        prefix cache, a row whose positions complete a KV block registers it."""
+        call's k tokens per row in order, the rest of a row that stopped dropped). Which rows are
+        the common case is decided column-wise (`Handout.special`: no stop token, not the row's
+        last tokens - `step.room`, its request's budget and the context - no token hook, no
+        log-probabilities); those take one tight loop with one event per row (`Handout.give`,
+        through the chain's per-row handles), every other row `_process_row`, token by token
+        through `_accept`. With a prefix cache, a row whose positions complete a KV block
+        registers it."""
         host, k = to_host(step.out), step.steps
-        tokens = host["tokens"][step.rows].tolist()             # one gather + conversion, not one per row
-        now, gaps, n = time.monotonic(), [], len(tokens)
-        plain = (step.room > k).tolist()
-        if self.pool.enable_prefix_cache:                       # no cache: no block to register
-            pos, bs = step.positions, self.config.block_size
-            full = ((pos + k) // bs > pos // bs).tolist()
-        else:
-            full = [False] * n
+        toks = host["tokens"][step.rows]                        # one gather + conversion, not one per row
+        now, seqs = time.monotonic(), step.seqs
+        hand = step.handout
+        if hand is None:
+            hand = step.handout = Handout(seqs)
         with self._state:
             if "logprob" in host or self._token_hooks:
-                for i, (s, toks, reg) in enumerate(zip(step.seqs, tokens, full)):
-                    self._process_row(s, i, toks, step, host, reg, now)
+                special = np.ones(len(seqs), bool)
             else:
-                gap, pad = gaps.append, [0.0] * (k - 1)        # a fused call's tokens arrive together
-                for i, (s, toks, ok, reg) in enumerate(zip(step.seqs, tokens, plain, full)):
-                    req = s.req
-                    if (not ok or req.finished or s.status != DECODE or req.first_token_at is None
-                            or (toks in req.stop_token_ids if k == 1 else
-                                any(map(req.stop_token_ids.__contains__, toks)))):
-                        self._process_row(s, i, toks, step, host, reg, now)
-                        continue
-                    try:                                        # `_accept` without its rare branches
-                        s.num_computed += k
-                        gap(now - req.last_token_at)
-                        req.last_token_at = now
-                        if k == 1:
-                            s.tokens.append(toks)
-                            req.tokens.append(toks)
-                            toks = [toks]
-                        else:
-                            gaps.extend(pad)
-                            s.tokens.extend(toks)
-                            req.tokens.extend(toks)
-                        req.emit(("tokens", toks))
-                    except Exception:  # noqa: BLE001 - this request's own token handling: fail it alone
-                        log.exception("request %s: could not process its token", req.request_id)
-                        self._terminate(req, error=_engine_failure("processing its output", req))
-                        continue
-                    if reg:                                     # it goes on: its full block is registered
-                        self.scheduler.register_computed(s)
-            self._new_tokens += len(gaps)
-            self.metrics.inter_token.observe_many(gaps)
+                special = hand.special(toks, step.room, k)
+            tokens = toks.tolist()
+            if self.pool.enable_prefix_cache:                   # no cache: no block to register
+                pos, bs = step.positions, self.config.block_size
+                full = (pos + k) // bs > pos // bs
+            else:
+                full = None
+            rest = np.flatnonzero(special).tolist()
+            if len(rest) < len(seqs):
+                gaps = hand.give(tokens, k, now, None if not rest else (~special).tolist())
+                self._new_tokens += len(gaps)
+                self.metrics.inter_token.observe_many(gaps)
+                if full is not None:                            # they go on: their full blocks are registered
+                    for i in np.flatnonzero(full & ~special).tolist():
+                        self.scheduler.register_computed(seqs[i])
+            for i in rest:
+                self._process_row(seqs[i], i, tokens[i], step, host, full is not None and bool(full[i]), now)
 
     def _process_row(self, s: Sequence, i: int, toks, step: DecodeStep, host: dict, register: bool, now: float):
         """`_process_decode` for sequence `s` on row i of `step` (its token, or a fused call's
@@ -889,7 +880,7 @@ class Engine:
 
     def _freeze_heap(self) -> None:
         if self.config.freeze_gc:
-            freeze_heap()
+            freeze_heap(self.config.gc_gen0_threshold)
             self._froze_heap = True
 
     def warm_in_background(self) -> int:

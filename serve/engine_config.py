@@ -37,6 +37,9 @@ class EngineConfig:
     freeze_gc: bool = True               # after warm-up: gc.collect() + gc.freeze() (serve/warmup.py freeze_heap):
                                          # a full collection then skips the startup heap (~0.2 s -> ~0 on the tiny
                                          # model's process, every stream paused meanwhile); undone at shutdown()
+    gc_gen0_threshold: int = 50_000       # with freeze_gc: the collector's young-generation threshold while the
+                                         # engine serves (Python's 700 collected every ~5 decode calls of a 64-row
+                                         # batch for per-token events freed by reference counting; 0: unchanged)
 
     def __post_init__(self):
         if self.mode not in ("prefill", "all"):
@@ -47,6 +50,8 @@ class EngineConfig:
                      "decode_steps_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.gc_gen0_threshold < 0:
+            raise ValueError(f"gc_gen0_threshold must be >= 0 (0: unchanged), got {self.gc_gen0_threshold}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_batched_tokens < self.max_num_seqs + 1:

@@ -225,14 +225,15 @@ StepCall = PrefillCall | DecodeCall
 @dataclasses.dataclass
 class DecodeStep:
     """A dispatched decode call: `seqs[i]` is row `rows[i]` of `out` (device arrays, not read yet),
-    its first K/V written at `positions[i]` (then one further per step); `room` is the caller's
-    (the engine's per-row token budget)."""
+    its first K/V written at `positions[i]` (then one further per step); `room` and `handout` are the
+    caller's (the engine's per-row token budget and per-row handles, serve/handout.py)."""
     seqs: list[Sequence]
     rows: np.ndarray
     out: object
     positions: np.ndarray | None = None
     room: np.ndarray | None = None
     steps: int = 1                       # tokens per row (a multi-step call: `out` is (tokens [R, steps], last))
+    handout: object = None
 
 
 class DecodeRows:

@@ -80,9 +80,11 @@ def test_full_warmup_leaves_nothing_to_compile(runner, fused):
     warm-up freezes the startup heap (EngineConfig.freeze_gc) and shutdown thaws it."""
     import gc
     gc.unfreeze()
-    eng = _engine(runner, decode_steps_per_call=fused)
+    before_thresholds = gc.get_threshold()
+    eng = _engine(runner, decode_steps_per_call=fused, gc_gen0_threshold=12_345)
     eng.warmup()
     assert gc.get_freeze_count() > 1000
+    assert gc.get_threshold() == (12_345, *before_thresholds[1:])
     before = _compiled(runner)
     eng.start()
     try:
@@ -92,9 +94,10 @@ def test_full_warmup_leaves_nothing_to_compile(runner, fused):
     assert _compiled(runner) == before
     assert got[0] == _alone(runner, *_requests(1)[0])
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before_thresholds
     eng = _engine(runner, freeze_gc=False)
     eng.warmup()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before_thresholds
 
 
 def test_background_warmup_serves_early_requests_exactly(runner):

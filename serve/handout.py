@@ -1,0 +1,102 @@
+"""Handing a decode call's tokens to its requests: the common case, with its per-row handles
+gathered once per chain of calls.
+
+A decode call returns each row's token (a fused call: k tokens per row). The engine hands them to
+the row's sequence and request - `Sequence.tokens`, `Request.tokens`, one ("tokens", [...]) event
+(serve/request.py) - and counts the gap since the request's previous token. Most rows of most calls
+are the common case: no stop token among them, not the row's last tokens (its request's budget or
+the context), no token hook and no log-probabilities, the request neither finished nor waiting for
+its first token. `Handout.special` decides which rows are not, column-wise (numpy over the call's
+tokens and the rows' room, and C-level scans of the requests' flags); `Handout.give` hands out
+the others in one tight loop. The engine takes the special rows token by token
+(`Engine._process_row`).
+
+The handles - each row's request, its two token lists and its event sink's `put` - are read once
+for a chain of pipelined calls over the same rows (`Engine._continue_decode` passes a chain's
+`Handout` on while every row goes on), not once per call. A request's lists and sink are never
+replaced while it runs (the engine sets the sink at submit), so a handle stays valid for the chain."""
+from __future__ import annotations
+
+import itertools
+import operator
+
+import numpy as np
+
+from serve.scheduler import DECODE, Sequence
+
+_REQ, _TOKENS, _STATUS = operator.attrgetter("req"), operator.attrgetter("tokens"), operator.attrgetter("status")
+_FINISHED, _FIRST_AT = operator.attrgetter("finished"), operator.attrgetter("first_token_at")
+_STOPS = operator.attrgetter("stop_token_ids")
+_DECODING = DECODE.__eq__
+
+
+class Handout:
+    """The per-row handles of a decode call's sequences `seqs` (in row order of the call's output)."""
+    __slots__ = ("seqs", "reqs", "seq_tokens", "req_tokens", "puts", "stops")
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = seqs
+        self.reqs = reqs = list(map(_REQ, seqs))
+        self.seq_tokens = list(map(_TOKENS, seqs))
+        self.req_tokens = list(map(_TOKENS, reqs))
+        self.puts = [r.events.put for r in reqs]
+        stops = set(map(_STOPS, reqs))
+        if len(stops) == 1:                       # the usual case: one stop set (the model's EOS ids) for all
+            self.stops = np.asarray(stops.pop(), np.int64).reshape(-1)
+        else:                                     # per row, padded with -1 (never a token id)
+            width = max(map(len, stops), default=0)
+            table = np.full((len(reqs), max(width, 1)), -1, np.int64)
+            for i, ids in enumerate(map(_STOPS, reqs)):
+                table[i, :len(ids)] = ids
+            self.stops = table
+
+    def special(self, tokens: np.ndarray, room: np.ndarray, k: int) -> np.ndarray:
+        """Bool per row: the row is not the common case - a stop token among its `tokens` ([n] or,
+        fused, [n, k]), its last tokens (`room`: tokens it may still generate, <= k), its request
+        finished, its sequence not decoding, or its first token not handed out yet."""
+        out = room <= k
+        toks = tokens.reshape(len(out), -1)
+        if self.stops.ndim == 1:
+            for stop in self.stops.tolist():
+                out |= (toks == stop).any(1)
+        else:
+            out |= (toks[:, :, None] == self.stops[:, None, :]).any((1, 2))
+        reqs = self.reqs
+        if any(map(_FINISHED, reqs)) or None in map(_FIRST_AT, reqs) or not all(map(_DECODING, map(_STATUS, self.seqs))):
+            out |= np.fromiter([r.finished or r.first_token_at is None or s.status != DECODE
+                                for s, r in zip(self.seqs, reqs)], bool, len(reqs))
+        return out
+
+    def give(self, tokens: list, k: int, now: float, common: list[bool] | None = None) -> list[float]:
+        """Hands each row its `tokens` (`tokens[i]`: an id, or a fused call's k ids), every row or
+        those where `common` holds: its sequence computed k more positions, the tokens appended
+        to both lists, one event, `now` its last token time. A sink that raises is ignored (the
+        consumer is gone: `Request.emit`). Returns the inter-token gaps to observe (a fused
+        call's tokens arrive together: k - 1 zero gaps per row)."""
+        seqs, reqs, sts, rts, puts = self.seqs, self.reqs, self.seq_tokens, self.req_tokens, self.puts
+        if common is not None:
+            seqs, reqs, sts, rts, puts, tokens = (list(itertools.compress(x, common))
+                                                  for x in (seqs, reqs, sts, rts, puts, tokens))
+        gaps = [now - r.last_token_at for r in reqs]
+        if k == 1:
+            for s, r, st, rt, put, t in zip(seqs, reqs, sts, rts, puts, tokens):
+                s.num_computed += 1
+                r.last_token_at = now
+                st.append(t)
+                rt.append(t)
+                try:
+                    put(("tokens", [t]))
+                except Exception:  # noqa: BLE001 - a broken sink never reaches the engine
+                    pass
+        else:
+            for s, r, st, rt, put, t in zip(seqs, reqs, sts, rts, puts, tokens):
+                s.num_computed += k
+                r.last_token_at = now
+                st.extend(t)
+                rt.extend(t)
+                try:
+                    put(("tokens", t))
+                except Exception:  # noqa: BLE001 - a broken sink never reaches the engine
+                    pass
+            gaps.extend([0.0] * (len(reqs) * (k - 1)))
+        return gaps
