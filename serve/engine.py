@@ -681,26 +681,32 @@ class Engine:
         c = self.config
         steps = self.step_runner.fused_steps()
         room = prev.room - prev.steps                           # tokens each row may generate after prev's
-        keep = room >= 1
-        seqs = prev.seqs
-        if any(map(_FINISHED, seqs)) or any(map(_CANCELLED, seqs)):     # two C-level scans, the common case
-            keep &= np.fromiter([not (s.req.finished or s.req.cancelled) for s in seqs], bool, len(seqs))
+        seqs, hand = prev.seqs, prev.handout
+        if hand is None:                                        # the chain's per-row handles, read once
+            hand = prev.handout = Handout(seqs)
         nxt = prev.positions + prev.steps                       # the first position the call writes
-        reach = nxt + np.minimum(steps, room)                   # positions < reach need a home: the later
+        ended = hand.ended()
+        if not ended and room.min() >= steps:                   # the common case: every row goes on, `steps` tokens
+            keep, reach = None, nxt + steps
+        else:
+            keep = room >= 1
+            if ended:
+                keep &= ~hand.ended_rows()
+            reach = nxt + np.minimum(steps, room)               # positions < reach need a home: the later
                                                                 # ones' tokens are dropped (written to no block)
         bs = c.block_size
-        new_block = np.flatnonzero(keep & ((reach - 1) // bs > (nxt - 1) // bs)).tolist()
+        enter = (reach - 1) // bs > (nxt - 1) // bs             # rows whose positions enter a new block
+        new_block = np.flatnonzero(enter if keep is None else enter & keep).tolist()
         if new_block:
+            grown = np.ones(len(seqs), bool) if keep is None else keep
             with self._state:
                 for i in new_block:
-                    keep[i] = self.scheduler.grow(prev.seqs[i], int(reach[i]))
-        step = self.step_runner.continue_decode(prev, keep, steps)
+                    grown[i] = self.scheduler.grow(seqs[i], int(reach[i]))
+            keep = None if grown.all() else grown
+        step = self.step_runner.continue_decode(prev, keep, steps, positions=nxt)
         if step is not None:
             if step.seqs is seqs:                               # the same rows, in the same order:
-                step.room = room                                # the chain's per-row handles go on
-                if prev.handout is None:
-                    prev.handout = Handout(seqs)
-                step.handout = prev.handout
+                step.room, step.handout = room, hand            # the chain's per-row handles go on
             else:
                 step.room = room[keep]
         return step
@@ -724,7 +730,7 @@ class Engine:
             if "logprob" in host or self._token_hooks:
                 special = np.ones(len(seqs), bool)
             else:
-                special = hand.special(toks, step.room, k)
+                special = hand.special(toks, step.room, k, self.scheduler.preemptions)
             tokens = toks.tolist()
             if self.pool.enable_prefix_cache:                   # no cache: no block to register
                 pos, bs = step.positions, self.config.block_size
@@ -734,8 +740,10 @@ class Engine:
             rest = np.flatnonzero(special).tolist()
             if len(rest) < len(seqs):
                 gaps = hand.give(tokens, k, now, None if not rest else (~special).tolist())
-                self._new_tokens += len(gaps)
+                self._new_tokens += len(gaps) * k
                 self.metrics.inter_token.observe_many(gaps)
+                if k > 1:                                       # a fused call's tokens arrive together
+                    self.metrics.inter_token.observe_n(0.0, len(gaps) * (k - 1))
                 if full is not None:                            # they go on: their full blocks are registered
                     for i in np.flatnonzero(full & ~special).tolist():
                         self.scheduler.register_computed(seqs[i])

@@ -25,14 +25,15 @@ import numpy as np
 from serve.scheduler import DECODE, Sequence
 
 _REQ, _TOKENS, _STATUS = operator.attrgetter("req"), operator.attrgetter("tokens"), operator.attrgetter("status")
-_FINISHED, _FIRST_AT = operator.attrgetter("finished"), operator.attrgetter("first_token_at")
+_FINISHED, _CANCELLED = operator.attrgetter("finished"), operator.attrgetter("cancelled")
+_FIRST_AT = operator.attrgetter("first_token_at")
 _STOPS = operator.attrgetter("stop_token_ids")
 _DECODING = DECODE.__eq__
 
 
 class Handout:
     """The per-row handles of a decode call's sequences `seqs` (in row order of the call's output)."""
-    __slots__ = ("seqs", "reqs", "seq_tokens", "req_tokens", "puts", "stops")
+    __slots__ = ("seqs", "reqs", "seq_tokens", "req_tokens", "puts", "stops", "_started", "_preemptions")
 
     def __init__(self, seqs: list[Sequence]):
         self.seqs = seqs
@@ -49,20 +50,44 @@ class Handout:
             for i, ids in enumerate(map(_STOPS, reqs)):
                 table[i, :len(ids)] = ids
             self.stops = table
+        self._started = False                     # every request has had its first token (never undone)
+        self._preemptions = None                  # `Scheduler.preemptions` when every row was last seen decoding
 
-    def special(self, tokens: np.ndarray, room: np.ndarray, k: int) -> np.ndarray:
+    def ended(self) -> bool:
+        """Whether some row's request is finished or cancelled (two C-level scans)."""
+        return any(map(_FINISHED, self.reqs)) or any(map(_CANCELLED, self.reqs))
+
+    def ended_rows(self) -> np.ndarray:
+        """Bool per row: its request is finished or cancelled."""
+        return np.fromiter([r.finished or r.cancelled for r in self.reqs], bool, len(self.reqs))
+
+    def special(self, tokens: np.ndarray, room: np.ndarray, k: int, preemptions: int | None = None) -> np.ndarray:
         """Bool per row: the row is not the common case - a stop token among its `tokens` ([n] or,
         fused, [n, k]), its last tokens (`room`: tokens it may still generate, <= k), its request
-        finished, its sequence not decoding, or its first token not handed out yet."""
+        finished, its sequence not decoding, or its first token not handed out yet.
+        `preemptions` (`Scheduler.preemptions`, the only way a decoding sequence stops decoding
+        short of finishing): the rows' statuses are read again only when it moved since they were
+        last all decoding (None: every call)."""
         out = room <= k
-        toks = tokens.reshape(len(out), -1)
-        if self.stops.ndim == 1:
+        if k == 1 and tokens.ndim == 1 and self.stops.ndim == 1:
+            for stop in self.stops.tolist():
+                out |= tokens == stop
+        elif self.stops.ndim == 1:
+            toks = tokens.reshape(len(out), -1)
             for stop in self.stops.tolist():
                 out |= (toks == stop).any(1)
         else:
-            out |= (toks[:, :, None] == self.stops[:, None, :]).any((1, 2))
+            out |= (tokens.reshape(len(out), -1)[:, :, None] == self.stops[:, None, :]).any((1, 2))
         reqs = self.reqs
-        if any(map(_FINISHED, reqs)) or None in map(_FIRST_AT, reqs) or not all(map(_DECODING, map(_STATUS, self.seqs))):
+        check = any(map(_FINISHED, reqs))
+        if not self._started:
+            self._started = None not in map(_FIRST_AT, reqs)
+            check = check or not self._started
+        if preemptions is None or preemptions != self._preemptions:
+            decoding = all(map(_DECODING, map(_STATUS, self.seqs)))
+            self._preemptions = preemptions if decoding else None
+            check = check or not decoding
+        if check:
             out |= np.fromiter([r.finished or r.first_token_at is None or s.status != DECODE
                                 for s, r in zip(self.seqs, reqs)], bool, len(reqs))
         return out
@@ -71,8 +96,8 @@ class Handout:
         """Hands each row its `tokens` (`tokens[i]`: an id, or a fused call's k ids), every row or
         those where `common` holds: its sequence computed k more positions, the tokens appended
         to both lists, one event, `now` its last token time. A sink that raises is ignored (the
-        consumer is gone: `Request.emit`). Returns the inter-token gaps to observe (a fused
-        call's tokens arrive together: k - 1 zero gaps per row)."""
+        consumer is gone: `Request.emit`). Returns the inter-token gaps to observe, one per row
+        (a fused call's tokens arrive together: k - 1 more zero gaps per row, not listed)."""
         seqs, reqs, sts, rts, puts = self.seqs, self.reqs, self.seq_tokens, self.req_tokens, self.puts
         if common is not None:
             seqs, reqs, sts, rts, puts, tokens = (list(itertools.compress(x, common))
@@ -98,5 +123,4 @@ class Handout:
                     put(("tokens", t))
                 except Exception:  # noqa: BLE001 - a broken sink never reaches the engine
                     pass
-            gaps.extend([0.0] * (len(reqs) * (k - 1)))
         return gaps

@@ -68,11 +68,22 @@ class LatencyHistogram:
 
     def observe_many(self, values: list[float]) -> None:
         """`observe` of each value (one decode call's rows: they share a few distinct gaps, the
-        rows whose previous tokens came from the same call, so one bucket search per distinct value)."""
-        counts, bounds = self.counts, self.bounds
-        for value, n in collections.Counter(values).items():
-            counts[bisect.bisect_left(bounds, value)] += n
+        rows whose previous tokens came from the same call - usually one: one bucket search and
+        a C-level count; else one bucket search per distinct value)."""
+        if not values:
+            return
+        counts, bounds, first = self.counts, self.bounds, values[0]
+        if values.count(first) == len(values):
+            counts[bisect.bisect_left(bounds, first)] += len(values)
+        else:
+            for value, n in collections.Counter(values).items():
+                counts[bisect.bisect_left(bounds, value)] += n
         self.sum += sum(values)
+
+    def observe_n(self, value: float, n: int) -> None:
+        """`observe(value)` n times."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
 
     def collect(self):
         counts, total = list(self.counts), self.sum          # a snapshot (the writer may move on)

@@ -309,18 +309,20 @@ class DecodeRows:
         self.counters[rows] = counters
         return rows, int(b.max(initial=0)) + 1, filled
 
-    def advance(self, prev_seqs: list[Sequence], prev_rows: np.ndarray, keep: np.ndarray, by: int = 1,
-                span: int = 1) -> tuple[list[Sequence], np.ndarray, int, np.ndarray]:
+    def advance(self, prev_seqs: list[Sequence], prev_rows: np.ndarray, keep: np.ndarray | None, by: int = 1,
+                span: int = 1, positions: np.ndarray | None = None) -> tuple[list[Sequence], np.ndarray, int, np.ndarray]:
         """`update(seqs, ahead=by)` for a pipelined call continuing the previous call (its sequences
         `prev_seqs` on rows `prev_rows`, from `update` or `advance`; `by`: the tokens it computes
-        per row): the sequences where `keep` holds move `by` positions on, column-wise (numpy;
-        per-row Python only for a row whose table lacks a block of the `span` positions the call
-        reaches), the others are released. Returns (the kept sequences, their rows, block-table
-        width needed for `span` positions, their new positions; `prev_seqs` and `prev_rows`
-        themselves when every row is kept). Valid only while nothing but this chain of calls
-        changed the rows' sequences (no copy-on-write, no re-admission in between): the engine takes
-        it between the calls of one pipelined chain and `update` everywhere else."""
-        if keep.all():                                   # the common case: the chain goes on for every row
+        per row): the sequences where `keep` holds (None: all) move `by` positions on,
+        column-wise (numpy; per-row Python only for a row whose table lacks a block of the `span`
+        positions the call reaches), the others are released. `positions`: the caller's copy of
+        the rows' new first positions (each row's context length + `by`), else read from the rows.
+        Returns (the kept sequences, their rows, block-table width needed for `span` positions,
+        their new positions; `prev_seqs` and `prev_rows` themselves when every row is kept).
+        Valid only while nothing but this chain of calls changed the rows' sequences (no
+        copy-on-write, no re-admission in between): the engine takes it between the calls of one
+        pipelined chain and `update` everywhere else."""
+        if keep is None or keep.all():                   # the common case: the chain goes on for every row
             seqs, rows = prev_seqs, prev_rows
         else:
             kept = keep.tolist()
@@ -329,8 +331,10 @@ class DecodeRows:
                 if not k and s in self.row_of:
                     self.release(s)
             rows = prev_rows[keep]
+            if positions is not None:
+                positions = positions[keep]
         bs, at = self.block_size, self._index(rows)
-        pos = self.context_lens[at].astype(np.int64) + by
+        pos = self.context_lens[at].astype(np.int64) + by if positions is None else positions
         last = (pos + span - 1) // bs                                    # the last block the call reaches
         for i in np.flatnonzero(last >= self._blocks[at]).tolist():       # blocks not in the table yet
             r, blocks = int(rows[i]), seqs[i].blocks
@@ -583,13 +587,15 @@ class StepRunner:
             raise RuntimeError("a pipelined decode call can only continue the previous call's rows")
         return self._dispatch(seqs, rows, width, after)
 
-    def continue_decode(self, after: DecodeStep, keep: np.ndarray, steps: int = 1) -> DecodeStep | None:
+    def continue_decode(self, after: DecodeStep, keep: np.ndarray | None, steps: int = 1,
+                        positions: np.ndarray | None = None) -> DecodeStep | None:
         """`dispatch_decode(seqs, after=after)` for the sequences of `after` where `keep` (bool, one
-        per sequence) holds, as one call of `steps` fused decode steps: every kept row has a home
-        for the positions whose tokens it may still use (a later position's write goes to no block
-        of its own: dropped or into the reserved block, never read). The rows move on
-        column-wise (`DecodeRows.advance`), no per-sequence reads. None when no row is kept."""
-        seqs, rows, width, positions = self.rows.advance(after.seqs, after.rows, keep, after.steps, steps)
+        per sequence; None: every one) holds, as one call of `steps` fused decode steps: every kept
+        row has a home for the positions whose tokens it may still use (a later position's write
+        goes to no block of its own: dropped or into the reserved block, never read). The rows
+        move on column-wise (`DecodeRows.advance`), no per-sequence reads; `positions`, when the
+        caller has them: `after`'s rows' first positions in this call. None when no row is kept."""
+        seqs, rows, width, positions = self.rows.advance(after.seqs, after.rows, keep, after.steps, steps, positions)
         if not seqs:
             return None
         return self._dispatch(seqs, rows, width, after, steps, positions=positions)

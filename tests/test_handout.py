@@ -82,7 +82,7 @@ def test_give_hands_out_tokens_events_and_gaps(k):
             assert (s.tokens, s.req.tokens, s.num_computed, s.req.last_token_at) == (st, rt, nc, last)
             assert s.req.events.empty()
             continue
-        want_gaps += [5.0 - last] + [0.0] * (k - 1)
+        want_gaps.append(5.0 - last)
         assert s.tokens == st + toks and s.req.tokens == rt + toks
         assert s.num_computed == nc + k and s.req.last_token_at == 5.0
         if i != 3:
@@ -91,3 +91,22 @@ def test_give_hands_out_tokens_events_and_gaps(k):
                 s.req.events.get_nowait()
     assert sorted(gaps) == sorted(want_gaps)
     assert hand.give([], k, 6.0, [False] * 9) == []     # no common row: nothing handed out
+
+
+def test_special_sees_a_preemption_and_a_first_token_between_calls():
+    """A chain's Handout is reused call after call: a row preempted since (Scheduler.preempt moves
+    `Scheduler.preemptions`, the engine passes it) or a request whose first token arrives since
+    is seen at the next call."""
+    rng = np.random.default_rng(5)
+    seqs = _rows(rng, 6, True, 1)
+    seqs[4].req.first_token_at = None
+    hand = Handout(seqs)
+    toks, room = np.full(6, 3), np.full(6, 10)
+    assert hand.special(toks, room, 1, 0).tolist() == [i == 4 for i in range(6)]
+    seqs[4].req.first_token_at = 1.0
+    assert not hand.special(toks, room, 1, 0).any()
+    seqs[2].status = PREFILL                            # preempted (status WAITING there; any non-decode)
+    assert hand.special(toks, room, 1, 1).tolist() == [i == 2 for i in range(6)]
+    assert hand.special(toks, room, 1, 1).tolist() == [i == 2 for i in range(6)]   # still, until it decodes
+    seqs[2].status = DECODE
+    assert not hand.special(toks, room, 1, 1).any()

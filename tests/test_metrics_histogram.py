@@ -18,6 +18,12 @@ def test_observe_many_equals_one_observe_per_value():
     for i in range(0, len(values), 64):
         many.observe_many(values[i:i + 64])
     many.observe_many([])
+    for v, n in ((values[3], 5), (bounds[2], 7), (0.0, 3)):   # one distinct value: observe_many's fast path,
+        for _ in range(n):                                  # and observe_n
+            one.observe(v)
+        many.observe_many([v] * (n - 1))
+        many.observe_n(v, 1)
+    values += [values[3]] * 5 + [bounds[2]] * 7 + [0.0] * 3
     assert many.counts == one.counts and sum(one.counts) == len(values)
     assert math.isclose(many.sum, one.sum, rel_tol=1e-12)
     assert one.counts[-1] >= 1 and any(one.counts[bounds.index(b)] for b in bounds[:3])
