@@ -139,6 +139,8 @@ class Engine:
         self._deadline_order = itertools.count()
         self._lock = threading.Lock()            # inbox + live set (submit threads vs the engine thread)
         self._state = threading.RLock()          # scheduler state (engine thread vs a shutdown thread)
+        self._endings = 0                        # requests finished or cancelled so far (under _lock): a chain's
+                                                 # Handout scans its requests' flags only after it moved
         self._wake = threading.Event()
         self._rng = random.Random(config.seed)   # keys of requests without a seed (64 bits each: ~1 us,
                                                  # a numpy Generator draw was ~8 us per request)
@@ -213,7 +215,7 @@ class Engine:
             else:
                 with self._lock:                          # submit runs on callers' threads
                     bits = self._rng.getrandbits(64)
-                    req.key_data = np.array([bits & 0xFFFFFFFF, bits >> 32], np.uint32)
+                req.key_data = (bits & 0xFFFFFFFF, bits >> 32)     # uint32 [2] (sampling_columns packs the rows')
             if events is not None:
                 req.events = events[i]
             seq = Sequence(req, list(prompt_ids), len(prompt_ids))
@@ -259,6 +261,8 @@ class Engine:
     def cancel(self, req: Request) -> None:
         """Stops a queued or running request at the next step (finish_reason "cancelled")."""
         req.cancelled = True
+        with self._lock:
+            self._endings += 1
         self._cancelled.append(req)
         self._wake.set()
 
@@ -685,7 +689,7 @@ class Engine:
         if hand is None:                                        # the chain's per-row handles, read once
             hand = prev.handout = Handout(seqs)
         nxt = prev.positions + prev.steps                       # the first position the call writes
-        ended = hand.ended()
+        ended = hand.ended(self._endings)
         if not ended and room.min() >= steps:                   # the common case: every row goes on, `steps` tokens
             keep, reach = None, nxt + steps
         else:
@@ -714,15 +718,17 @@ class Engine:
     def _process_decode(self, step: DecodeStep):
         """Hands a decode call's tokens to its requests (the one host transfer of the call; a fused
         call's k tokens per row in order, the rest of a row that stopped dropped). Which rows are
-        the common case is decided column-wise (`Handout.special`: no stop token, not the row's
-        last tokens - `step.room`, its request's budget and the context - no token hook, no
-        log-probabilities); those take one tight loop with one event per row (`Handout.give`,
-        through the chain's per-row handles), every other row `_process_row`, token by token
-        through `_accept`. With a prefix cache, a row whose positions complete a KV block
-        registers it."""
+        the common case is decided column-wise (`Handout.special`: no stop token among its
+        tokens, no token hook, no log-probabilities; `step.room`: the tokens it may still
+        generate - its request's budget and the context). Those take one tight loop with one
+        event per row (`Handout.give`, through the chain's per-row handles), and so do the rows
+        whose k tokens are exactly their last (then finished: "length"); every other row takes
+        `_process_row`, token by token through `_accept`. With a prefix cache, a row whose
+        positions complete a KV block registers it (a row that ends with such a block takes
+        `_process_row`: it registers before its last token)."""
         host, k = to_host(step.out), step.steps
         toks = host["tokens"][step.rows]                        # one gather + conversion, not one per row
-        now, seqs = time.monotonic(), step.seqs
+        now, seqs, room = time.monotonic(), step.seqs, step.room
         hand = step.handout
         if hand is None:
             hand = step.handout = Handout(seqs)
@@ -730,13 +736,20 @@ class Engine:
             if "logprob" in host or self._token_hooks:
                 special = np.ones(len(seqs), bool)
             else:
-                special = hand.special(toks, step.room, k, self.scheduler.preemptions)
+                special = hand.special(toks, k, self.scheduler.preemptions, self._endings)
             tokens = toks.tolist()
             if self.pool.enable_prefix_cache:                   # no cache: no block to register
                 pos, bs = step.positions, self.config.block_size
                 full = (pos + k) // bs > pos // bs
             else:
                 full = None
+            last, ends = room <= k, ()
+            if last.any():                                      # rows whose budget ends in this call
+                ends = last & ~special & (room == k)
+                if full is not None:
+                    ends &= ~full
+                special |= last & ~ends
+                ends = np.flatnonzero(ends).tolist()
             rest = np.flatnonzero(special).tolist()
             if len(rest) < len(seqs):
                 gaps = hand.give(tokens, k, now, None if not rest else (~special).tolist())
@@ -744,6 +757,8 @@ class Engine:
                 self.metrics.inter_token.observe_many(gaps)
                 if k > 1:                                       # a fused call's tokens arrive together
                     self.metrics.inter_token.observe_n(0.0, len(gaps) * (k - 1))
+                for i in ends:                                  # their last tokens are in
+                    self._terminate(seqs[i].req, "length")
                 if full is not None:                            # they go on: their full blocks are registered
                     for i in np.flatnonzero(full & ~special).tolist():
                         self.scheduler.register_computed(seqs[i])
@@ -845,6 +860,7 @@ class Engine:
                 except ValueError:
                     pass
             with self._lock:
+                self._endings += 1
                 if seq is not None and seq in self._inbox:
                     self._inbox.remove(seq)
         self.registry.release(req.adapter_ref)

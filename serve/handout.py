@@ -7,9 +7,9 @@ the row's sequence and request - `Sequence.tokens`, `Request.tokens`, one ("toke
 are the common case: no stop token among them, not the row's last tokens (its request's budget or
 the context), no token hook and no log-probabilities, the request neither finished nor waiting for
 its first token. `Handout.special` decides which rows are not, column-wise (numpy over the call's
-tokens and the rows' room, and C-level scans of the requests' flags); `Handout.give` hands out
-the others in one tight loop. The engine takes the special rows token by token
-(`Engine._process_row`).
+tokens, and C-level scans of the requests' flags; the token budget is the engine's);
+`Handout.give` hands out the others in one tight loop. The engine takes the special rows token by
+token (`Engine._process_row`).
 
 The handles - each row's request, its two token lists and its event sink's `put` - are read once
 for a chain of pipelined calls over the same rows (`Engine._continue_decode` passes a chain's
@@ -33,7 +33,7 @@ _DECODING = DECODE.__eq__
 
 class Handout:
     """The per-row handles of a decode call's sequences `seqs` (in row order of the call's output)."""
-    __slots__ = ("seqs", "reqs", "seq_tokens", "req_tokens", "puts", "stops", "_started", "_preemptions")
+    __slots__ = ("seqs", "reqs", "seq_tokens", "req_tokens", "puts", "stops", "_started", "_preemptions", "_endings")
 
     def __init__(self, seqs: list[Sequence]):
         self.seqs = seqs
@@ -52,34 +52,45 @@ class Handout:
             self.stops = table
         self._started = False                     # every request has had its first token (never undone)
         self._preemptions = None                  # `Scheduler.preemptions` when every row was last seen decoding
+        self._endings = None                      # the engine's count of ended requests when none of these was
 
-    def ended(self) -> bool:
-        """Whether some row's request is finished or cancelled (two C-level scans)."""
-        return any(map(_FINISHED, self.reqs)) or any(map(_CANCELLED, self.reqs))
+    def ended(self, endings: int | None = None) -> bool:
+        """Whether some row's request is finished or cancelled (two C-level scans). `endings`: the
+        engine's count of requests ended or cancelled so far, read before this call (it moves
+        after the flag is set): the scans are skipped while it equals the count at which they
+        last found none (None: always scan)."""
+        if endings is not None and endings == self._endings:
+            return False
+        reqs = self.reqs
+        if any(map(_FINISHED, reqs)) or any(map(_CANCELLED, reqs)):
+            return True
+        self._endings = endings
+        return False
 
     def ended_rows(self) -> np.ndarray:
         """Bool per row: its request is finished or cancelled."""
         return np.fromiter([r.finished or r.cancelled for r in self.reqs], bool, len(self.reqs))
 
-    def special(self, tokens: np.ndarray, room: np.ndarray, k: int, preemptions: int | None = None) -> np.ndarray:
+    def special(self, tokens: np.ndarray, k: int, preemptions: int | None = None,
+                endings: int | None = None) -> np.ndarray:
         """Bool per row: the row is not the common case - a stop token among its `tokens` ([n] or,
-        fused, [n, k]), its last tokens (`room`: tokens it may still generate, <= k), its request
-        finished, its sequence not decoding, or its first token not handed out yet.
+        fused, [n, k]), its request finished, its sequence not decoding, or its first token not
+        handed out yet (whether the tokens are the row's last is the caller's: its token budget).
         `preemptions` (`Scheduler.preemptions`, the only way a decoding sequence stops decoding
         short of finishing): the rows' statuses are read again only when it moved since they were
-        last all decoding (None: every call)."""
-        out = room <= k
-        if k == 1 and tokens.ndim == 1 and self.stops.ndim == 1:
-            for stop in self.stops.tolist():
-                out |= tokens == stop
-        elif self.stops.ndim == 1:
-            toks = tokens.reshape(len(out), -1)
-            for stop in self.stops.tolist():
-                out |= (toks == stop).any(1)
+        last all decoding (None: every call); `endings`: as for `ended`."""
+        n, stops = len(self.reqs), self.stops
+        if stops.ndim == 1:
+            toks = tokens if tokens.ndim == 1 else tokens.reshape(n, -1)
+            out = np.zeros(n, bool)
+            for i, stop in enumerate(stops.tolist()):
+                hit = toks == stop
+                hit = hit if hit.ndim == 1 else hit.any(1)
+                out = hit if i == 0 else out | hit
         else:
-            out |= (tokens.reshape(len(out), -1)[:, :, None] == self.stops[:, None, :]).any((1, 2))
+            out = (tokens.reshape(n, -1)[:, :, None] == self.stops[:, None, :]).any((1, 2))
         reqs = self.reqs
-        check = any(map(_FINISHED, reqs))
+        check = self.ended(endings)
         if not self._started:
             self._started = None not in map(_FIRST_AT, reqs)
             check = check or not self._started

@@ -70,7 +70,7 @@ class Request:
     submitted_at: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    key_data: object = None                # uint32 [2]: this request's sampling key (set by the engine)
+    key_data: object = None                # uint32 [2] (an array or two ints): this request's sampling key (set by the engine)
     tokenizer: object = dataclasses.field(default=None, repr=False)      # for wait() / stream()
     on_stop: object = dataclasses.field(default=None, repr=False)        # cancels in the engine
     _output: object = dataclasses.field(default=None, repr=False)

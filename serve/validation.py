@@ -40,7 +40,7 @@ class RequestLimits:
 def prompt_ids(ids, vocab_size: int) -> list[int]:
     """Token ids as ints in [0, vocab_size) (a non-empty prompt)."""
     try:
-        ids = [int(t) for t in ids]
+        ids = list(map(int, ids))
     except (TypeError, ValueError, OverflowError):
         raise RequestError("prompt token ids must be integers", "prompt") from None
     if not ids:

@@ -24,11 +24,11 @@ def _rows(rng, n, shared_stops: bool, k: int):
     return seqs
 
 
-def _special_ref(seqs, tokens, room, k):
+def _special_ref(seqs, tokens, k):
     out = []
-    for s, toks, r in zip(seqs, tokens.reshape(len(seqs), -1).tolist(), room.tolist()):
+    for s, toks in zip(seqs, tokens.reshape(len(seqs), -1).tolist()):
         req = s.req
-        out.append(r <= k or any(t in req.stop_token_ids for t in toks) or req.finished
+        out.append(any(t in req.stop_token_ids for t in toks) or req.finished
                    or req.first_token_at is None or s.status != DECODE)
     return np.array(out)
 
@@ -51,11 +51,10 @@ def test_special_rows_match_a_per_row_reference(shared_stops, k):
                 else:
                     s.status = PREFILL
         tokens = rng.integers(0, 40, size=(n,) if k == 1 else (n, k))
-        room = rng.integers(1, 3 * k + 2, size=n)
-        got = Handout(seqs).special(tokens, room, k)
-        want = _special_ref(seqs, tokens, room, k)
+        got = Handout(seqs).special(tokens, k)
+        want = _special_ref(seqs, tokens, k)
         assert got.dtype == bool and got.tolist() == want.tolist()
-        by_stop = _special_ref(seqs, tokens, np.full(n, 10 * k), k) & (room > k) if trial % 2 == 0 else want & False
+        by_stop = want if trial % 2 == 0 else want & False
         seen += [(~want).sum(), want.sum(), by_stop.sum()]
     assert (seen > 2).all(), seen                       # every kind of row occurred (the test can fail)
 
@@ -101,12 +100,28 @@ def test_special_sees_a_preemption_and_a_first_token_between_calls():
     seqs = _rows(rng, 6, True, 1)
     seqs[4].req.first_token_at = None
     hand = Handout(seqs)
-    toks, room = np.full(6, 3), np.full(6, 10)
-    assert hand.special(toks, room, 1, 0).tolist() == [i == 4 for i in range(6)]
+    toks = np.full(6, 3)
+    assert hand.special(toks, 1, 0).tolist() == [i == 4 for i in range(6)]
     seqs[4].req.first_token_at = 1.0
-    assert not hand.special(toks, room, 1, 0).any()
+    assert not hand.special(toks, 1, 0).any()
     seqs[2].status = PREFILL                            # preempted (status WAITING there; any non-decode)
-    assert hand.special(toks, room, 1, 1).tolist() == [i == 2 for i in range(6)]
-    assert hand.special(toks, room, 1, 1).tolist() == [i == 2 for i in range(6)]   # still, until it decodes
+    assert hand.special(toks, 1, 1).tolist() == [i == 2 for i in range(6)]
+    assert hand.special(toks, 1, 1).tolist() == [i == 2 for i in range(6)]   # still, until it decodes
     seqs[2].status = DECODE
-    assert not hand.special(toks, room, 1, 1).any()
+    assert not hand.special(toks, 1, 1).any()
+
+
+def test_ended_scans_again_once_the_engines_count_moves():
+    """`ended` (and `special`) skip the flag scans while the engine's count of ended or cancelled
+    requests has not moved since a scan found none; a cancel or finish moves it (Engine.cancel,
+    Engine._terminate) and the next call sees the row."""
+    rng = np.random.default_rng(6)
+    seqs = _rows(rng, 5, True, 1)
+    hand = Handout(seqs)
+    assert not hand.ended(3) and not hand.ended(3)
+    seqs[1].req.cancelled = True
+    assert hand.ended(4) and hand.ended(None)
+    assert hand.ended_rows().tolist() == [i == 1 for i in range(5)]
+    seqs[1].req.cancelled = False
+    seqs[3].req.finished = True
+    assert hand.special(np.full(5, 2), 1, 0, 5).tolist() == [i == 3 for i in range(5)]
