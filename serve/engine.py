@@ -72,7 +72,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import operator
 import random
 import threading
 import time
@@ -100,7 +99,6 @@ from serve.warmup import freeze_heap, thaw_heap, warmup_tasks
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Request", "Result"]
 
-_FINISHED, _CANCELLED = operator.attrgetter("req.finished"), operator.attrgetter("req.cancelled")   # of a Sequence
 log = logging.getLogger("serve.engine")
 
 
