@@ -31,6 +31,18 @@ _STOPS = operator.attrgetter("stop_token_ids")
 _DECODING = DECODE.__eq__
 
 
+def _ignore(event) -> None:
+    pass
+
+
+def _put_of(req) -> object:
+    """The request's sink's `put` (a sink without one drops its events, as `Request.emit` does)."""
+    try:
+        return req.events.put
+    except Exception:  # noqa: BLE001 - a broken sink never reaches the engine
+        return _ignore
+
+
 class Handout:
     """The per-row handles of a decode call's sequences `seqs` (in row order of the call's output)."""
     __slots__ = ("seqs", "reqs", "seq_tokens", "req_tokens", "puts", "stops", "_started", "_preemptions", "_endings")
@@ -40,7 +52,7 @@ class Handout:
         self.reqs = reqs = list(map(_REQ, seqs))
         self.seq_tokens = list(map(_TOKENS, seqs))
         self.req_tokens = list(map(_TOKENS, reqs))
-        self.puts = [r.events.put for r in reqs]
+        self.puts = list(map(_put_of, reqs))
         stops = set(map(_STOPS, reqs))
         if len(stops) == 1:                       # the usual case: one stop set (the model's EOS ids) for all
             self.stops = np.asarray(stops.pop(), np.int64).reshape(-1)

@@ -69,6 +69,7 @@ def test_give_hands_out_tokens_events_and_gaps(k):
     rng = np.random.default_rng(3 + k)
     seqs = _rows(rng, 9, False, k)
     seqs[3].req.events = _Broken()                      # ignored, as Request.emit does
+    seqs[6].req.events = object()                       # no put at all: ignored too
     before = [(list(s.tokens), list(s.req.tokens), s.num_computed, s.req.last_token_at) for s in seqs]
     common = [i % 3 != 1 for i in range(9)]
     hand = Handout(seqs)
@@ -84,7 +85,7 @@ def test_give_hands_out_tokens_events_and_gaps(k):
         want_gaps.append(5.0 - last)
         assert s.tokens == st + toks and s.req.tokens == rt + toks
         assert s.num_computed == nc + k and s.req.last_token_at == 5.0
-        if i != 3:
+        if i not in (3, 6):
             assert s.req.events.get_nowait() == ("tokens", toks)
             with pytest.raises(queue.Empty):
                 s.req.events.get_nowait()
