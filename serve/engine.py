@@ -743,7 +743,7 @@ class Engine:
                 full = None
             last, ends = room <= k, ()
             if last.any():                                      # rows whose budget ends in this call
-                ends = last & ~special & (room == k)
+                ends = (room == k) & ~special                   # exactly its last k tokens
                 if full is not None:
                     ends &= ~full
                 special |= last & ~ends

@@ -47,8 +47,8 @@ from preft_jax import native_decode
 from preft_jax import sharding as shd
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
-from preft_jax.paged_step import (bind_paged_step, bind_state, copy_blocks, paged_decode_steps, paged_step, sample_rows,
-                                  step_out_shardings)
+from preft_jax.paged_step import (bind_paged_step, bind_state, copy_blocks, decode_advance, paged_decode_steps, paged_step,
+                                  sample_rows, step_out_shardings)
 from serve.engine_config import EngineConfig
 from serve.kv_blocks import NULL_BLOCK
 from serve.registry import AdapterRegistry
@@ -115,9 +115,18 @@ def sampling_columns(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.n
 
 # Columns of a decode row in `DecodeRows.buffer` (int32; floats and key data stored as their bits),
 # then the row's block table.
-TOKEN, FROM_PREV, CONTEXT, CHUNK, WRITE, PROMPT, ADAPTER, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(12)
+TOKEN, FROM_PREV, CONTEXT, CHUNK, PROMPT, ADAPTER, TOP_K, COUNTER, TEMPERATURE, TOP_P, KEY = range(11)
 START = KEY + 2                  # an activated (aLoRA) row's activation start (0 for other rows)
 BLOCKS = START + 1
+
+
+def decode_batch(packed, attention: str, block_size: int, num_blocks: int) -> PagedBatch:
+    """The `PagedBatch` of a decode call's rows buffer (`packed` [R, BLOCKS + width]): block tables,
+    context lengths, chunk lengths, and each row's write index looked up from its block table at its
+    context length (`decode_advance` by 0; a padding row - chunk length 0 - writes to the dropped
+    index num_blocks * block_size)."""
+    return decode_advance(PagedBatch(packed[:, BLOCKS:], packed[:, CONTEXT], packed[:, CHUNK], None, attention),
+                          block_size, num_blocks, 0)
 
 
 def _decode_steps(graphdef, state, packed, prev_tokens, cache, bank, native, *, attention: str, logprobs: bool,
@@ -126,11 +135,14 @@ def _decode_steps(graphdef, state, packed, prev_tokens, cache, bank, native, *, 
     previous decode call's last output tokens [R] (rows marked FROM_PREV take theirs): `paged_step`,
     or with `steps` > 1 `paged_decode_steps` (that many steps in a device-side loop: positions,
     write indices and sampling counters advanced on the device; the caller names the blocks of
-    every position the steps reach), returning ((tokens [R, steps], last tokens [R]), cache)."""
+    every position the steps reach), returning ((tokens [R, steps], last tokens [R]), cache).
+    Each row's write index is looked up on the device from its block table and context length
+    (`decode_advance`; a padding row - chunk length 0 - writes nowhere): the host keeps no column
+    of it, so a chain of calls moving its rows on touches no per-row block lookup on the host."""
     col = lambda c: packed[:, c]                                                 # noqa: E731
     bits = lambda c, dtype: jax.lax.bitcast_convert_type(packed[:, c], dtype)    # noqa: E731
     tokens = jnp.where(col(FROM_PREV) > 0, prev_tokens, col(TOKEN))[:, None]
-    batch = PagedBatch(packed[:, BLOCKS:], col(CONTEXT), col(CHUNK), packed[:, WRITE:WRITE + 1], attention)
+    batch = decode_batch(packed, attention, cache.block_size, cache.num_blocks)
     args = (graphdef, state, tokens, batch, cache, bank, None if bank is None else col(ADAPTER), col(PROMPT),
             bits(TEMPERATURE, jnp.float32), bits(TOP_P, jnp.float32), col(TOP_K),
             (bits(slice(KEY, KEY + 2), jnp.uint32), col(COUNTER)))
@@ -240,18 +252,18 @@ class DecodeRows:
     """The persistent decode batch: decode row -> running sequence, and every row's call inputs as
     numpy buffers. A free row is padding (no attention, its write dropped)."""
 
-    def __init__(self, rows: int, max_blocks: int, block_size: int, drop_index: int):
-        self.size, self.block_size, self.drop = rows, block_size, drop_index
+    def __init__(self, rows: int, max_blocks: int, block_size: int):
+        self.size, self.block_size = rows, block_size
         self.buffer = np.zeros((rows, BLOCKS + max_blocks), np.int32)      # NULL_BLOCK == 0: empty tables
         b = self.buffer                                                      # views into it, by column
         self.tokens, self.from_prev, self.context_lens = b[:, TOKEN], b[:, FROM_PREV], b[:, CONTEXT]
-        self.chunk_lens, self.write_index, self.prompt_lens = b[:, CHUNK], b[:, WRITE], b[:, PROMPT]
+        self.chunk_lens, self.prompt_lens = b[:, CHUNK], b[:, PROMPT]
         self.adapter_ids, self.adapter_starts = b[:, ADAPTER], b[:, START]
         self.top_k, self.counters = b[:, TOP_K], b[:, COUNTER]
         self.temperature, self.top_p = b[:, TEMPERATURE].view(np.float32), b[:, TOP_P].view(np.float32)
         self.key_data = b[:, KEY:KEY + 2].view(np.uint32)
         self.block_tables = b[:, BLOCKS:]
-        self.write_index[:], self.prompt_lens[:], self.top_p[:] = drop_index, 1, 1.0   # padding rows
+        self.prompt_lens[:], self.top_p[:] = 1, 1.0        # padding rows (chunk length 0: no attention, no write)
         self.row_of: dict[Sequence, int] = {}
         self._admitted = [0] * rows          # the admission a row was filled for (re-admission: refill)
         self._blocks = np.zeros(rows, np.int64)   # block-table entries written
@@ -296,7 +308,6 @@ class DecodeRows:
         block = np.fromiter([s.blocks[j] for s, j in zip(seqs, b.tolist())], np.int64, len(seqs))
         self.block_tables[rows, b] = block                 # a copy-on-write replaces the written block
         self.context_lens[rows] = pos
-        self.write_index[rows] = block * bs + pos % bs
         counters = np.fromiter([len(s.req.tokens) for s in seqs], np.int64, len(seqs)) + ahead
         self.from_prev[rows] = ahead                       # its token: the previous call's output
         if handed is not None:                             # its token: the prefill's output
@@ -341,7 +352,6 @@ class DecodeRows:
             self.block_tables[r, self._blocks[r]:len(blocks)] = blocks[self._blocks[r]:]
             self._blocks[r] = len(blocks)
         self.context_lens[at] = pos
-        self.write_index[at] = self.block_tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
         self.counters[at] += by
         self.from_prev[at] = 1
         return seqs, rows, int(last.max(initial=0)) + 1, pos
@@ -384,7 +394,7 @@ class DecodeRows:
         self.adapted_rows -= int(self.adapter_ids[r] != 0)
         self.buffer[r] = 0
         self._blocks[r] = self._admitted[r] = 0
-        self.write_index[r], self.prompt_lens[r], self.top_p[r] = self.drop, 1, 1.0
+        self.prompt_lens[r], self.top_p[r] = 1, 1.0
         heapq.heappush(self._free, r)
 
     def clear(self) -> None:
@@ -429,7 +439,7 @@ class StepRunner:
         self.chunk_buckets = pow_buckets(min(config.min_chunk, config.max_num_batched_tokens),
                                          min(config.max_num_batched_tokens, config.max_model_len))
         self.fork_buckets = pow_buckets(1, config.max_num_seqs)
-        self.rows = DecodeRows(config.max_num_seqs, max_blocks, bs, self.drop_index)
+        self.rows = DecodeRows(config.max_num_seqs, max_blocks, bs)
         self._run: Callable[[StepCall], object] = self._execute
 
     # ---- the KV pool and the native path ---------------------------------------------------
@@ -663,7 +673,7 @@ class StepRunner:
         serves pipelined calls: their input tokens are an argument either way); `adapted`: the
         program with the adapter bank (rows whose generated tokens use their adapter); `steps`:
         that many decode steps fused in the call."""
-        pad = DecodeRows(self.config.max_num_seqs, nb, self.block_size, self.drop_index)
+        pad = DecodeRows(self.config.max_num_seqs, nb, self.block_size)
         pad.logprob_rows = int(logprobs)
         pad.adapted_rows = int(adapted and self.registry.bank is not None)
         jax.block_until_ready(self.run(self._decode(pad, nb, self._no_prev, steps)))

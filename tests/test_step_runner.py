@@ -7,9 +7,9 @@ import numpy as np
 from preft_jax.sampling import SamplingParams
 from serve.request import Request
 from serve.scheduler import Sequence
-from serve.step_runner import BLOCKS, DecodeRows
+from serve.step_runner import BLOCKS, DecodeRows, decode_batch
 
-R, MAX_BLOCKS, BS, DROP = 6, 8, 4, 999
+R, MAX_BLOCKS, BS, NB = 6, 8, 4, 600      # NB: the pool's blocks (ids below it)
 
 
 def _seq(rng, i) -> Sequence:
@@ -26,26 +26,37 @@ def _seq(rng, i) -> Sequence:
 
 def _reference(seqs, rows, ahead, got, handed=None):
     """The row inputs built from scratch: the buffer a call must carry (padding rows zero, but for
-    their dropped write, prompt length 1 and top_p 1). A pipelined call's rows take their token from
+    their prompt length 1 and top_p 1). A pipelined call's rows take their token from
     the previous call on the device: their host token is not read (copied from `got`); so do
     `handed` rows (a prefill's first token, not read: it is the token index + 1 the call samples)."""
     want = np.zeros((R, BLOCKS + MAX_BLOCKS), np.int32)
-    want[:, 4], want[:, 5], want[:, 10] = DROP, 1, np.float32(1.0).view(np.int32)
+    want[:, 4], want[:, 9] = 1, np.float32(1.0).view(np.int32)
     for i, (s, r) in enumerate(zip(seqs, rows)):
         p = s.num_computed + ahead
         sp = s.req.sampling
         dev = ahead or (handed is not None and bool(handed[i]))
-        want[r, :11] = [got[r, 0] if dev else s.tokens[p], int(dev), p, 1, s.blocks[p // BS] * BS + p % BS, s.plen, 0,
+        want[r, :10] = [got[r, 0] if dev else s.tokens[p], int(dev), p, 1, s.plen, 0,
                         sp.top_k, len(s.req.tokens) + int(dev), np.float32(sp.temperature).view(np.int32),
                         np.float32(sp.top_p).view(np.int32)]
-        want[r, 11:13] = s.req.key_data.view(np.int32)
+        want[r, 10:12] = s.req.key_data.view(np.int32)
         want[r, BLOCKS:BLOCKS + len(s.blocks)] = s.blocks
     return want
 
 
+def _check_writes(rows, seqs, got_rows, ahead, where):
+    """The write index the decode program derives from the buffer (`decode_batch`) against each
+    sequence's own block at its position (a padding row: the dropped index NB * BS)."""
+    want = np.full(R, NB * BS)
+    for s, r in zip(seqs, got_rows):
+        p = s.num_computed + ahead
+        want[r] = s.blocks[p // BS] * BS + p % BS
+    got = np.asarray(decode_batch(rows.buffer, "gather", BS, NB).write_index)[:, 0]
+    np.testing.assert_array_equal(got, want, err_msg=where)
+
+
 def test_decode_rows_equal_a_rebuild_from_the_sequences():
     rng = np.random.default_rng(0)
-    rows = DecodeRows(R, MAX_BLOCKS, BS, DROP)
+    rows = DecodeRows(R, MAX_BLOCKS, BS)
     pool = [_seq(rng, i) for i in range(12)]
     running: list[Sequence] = []
     fresh = 12
@@ -78,6 +89,7 @@ def test_decode_rows_equal_a_rebuild_from_the_sequences():
                                                                          for s in seqs)
         np.testing.assert_array_equal(rows.buffer, _reference(seqs, got_rows, ahead, rows.buffer, handed),
                                       err_msg=f"step {step}")
+        _check_writes(rows, seqs, got_rows, ahead, f"step {step}")
         assert rows.logprob_rows == sum(s.req.sampling.logprobs is not None for s in seqs)
         for s in seqs:                                                # the call's token, accounted
             if s.num_computed + 2 < MAX_BLOCKS * BS:
@@ -90,11 +102,11 @@ def test_decode_rows_equal_a_rebuild_from_the_sequences():
 
 def test_rows_stay_put_and_freed_rows_are_reused_lowest_first():
     rng = np.random.default_rng(1)
-    rows = DecodeRows(R, MAX_BLOCKS, BS, DROP)
+    rows = DecodeRows(R, MAX_BLOCKS, BS)
     a, b, c, d = (_seq(rng, i) for i in range(4))
     assert rows.update([a, b, c], 0)[0].tolist() == [0, 1, 2]
     assert rows.update([c, a], 1)[0].tolist() == [2, 0]              # b left: row 1 is padding now
-    assert rows.buffer[1, 3] == 0 and rows.buffer[1, 4] == DROP
+    assert rows.buffer[1, 3] == 0 and rows.buffer[1, 4] == 1          # chunk length 0, prompt length 1
     assert rows.update([d, c, a], 0)[0].tolist() == [1, 2, 0]        # d takes the lowest free row
 
 
@@ -105,7 +117,7 @@ def test_advance_equals_a_rebuild_along_pipelined_chains():
     one call late, as in the engine (a call's sequences are accounted after its successor is
     dispatched)."""
     rng = np.random.default_rng(2)
-    rows = DecodeRows(R, MAX_BLOCKS, BS, DROP)
+    rows = DecodeRows(R, MAX_BLOCKS, BS)
     pool = [_seq(rng, i) for i in range(12)]
     running: list[Sequence] = []
     checked = 0
@@ -143,6 +155,7 @@ def test_advance_equals_a_rebuild_along_pipelined_chains():
             assert positions.tolist() == [s.num_computed + 1 for s in kept]   # the position each row writes
             np.testing.assert_array_equal(rows.buffer, _reference(kept, new_rows, 1, rows.buffer),
                                           err_msg=f"chain {chain} link {link}")
+            _check_writes(rows, kept, new_rows, 1, f"chain {chain} link {link}")
             if kept:
                 assert width == max((s.num_computed + 1) // BS + 1 for s in kept)
             account(prev_seqs)                    # then the host sees the previous call's tokens
