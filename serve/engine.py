@@ -539,14 +539,19 @@ class Engine:
         the prefill call holds the bank it read) is done here, before the tokens are known.
         Returns (the decode call, the handed-off sequences); (None, empty) when there is no row or
         the call cannot be made (the rows then decode as usual, next step)."""
-        handed, rows = [], []
+        handed, rows, fit = [], [], []
         with self._state:
             for r, ch in enumerate(chunks):
                 s, req = ch.seq, ch.seq.req
                 n = ch.start + ch.length                        # positions computed after this call
-                if (req.finished or s.status != PREFILL or s.forks or s.num_computed != ch.start or n != len(s.tokens)
-                        or self._room_of(s) < 2 or not self.scheduler.grow(s, n + 1)):
+                if not (req.finished or s.status != PREFILL or s.forks or s.num_computed != ch.start
+                        or n != len(s.tokens) or self._room_of(s) < 2):
+                    fit.append((r, ch, n))
+            grown = self.scheduler.grow_many([ch.seq for _, ch, _ in fit], [n + 1 for _, _, n in fit])
+            for (r, ch, n), ok in zip(fit, grown):              # a home for the first decode position
+                if not ok:
                     continue
+                s = ch.seq
                 s.num_computed = n
                 self.metrics.prompt_tokens += ch.length
                 self.scheduler.register_computed(s)
@@ -700,11 +705,11 @@ class Engine:
         enter = (reach - 1) // bs > (nxt - 1) // bs             # rows whose positions enter a new block
         new_block = np.flatnonzero(enter if keep is None else enter & keep).tolist()
         if new_block:
-            grown = np.ones(len(seqs), bool) if keep is None else keep
             with self._state:
-                for i in new_block:
-                    grown[i] = self.scheduler.grow(seqs[i], int(reach[i]))
-            keep = None if grown.all() else grown
+                grown = self.scheduler.grow_many([seqs[i] for i in new_block], reach[new_block].tolist())
+            if not all(grown):
+                keep = np.ones(len(seqs), bool) if keep is None else keep
+                keep[[i for i, ok in zip(new_block, grown) if not ok]] = False
         step = self.step_runner.continue_decode(prev, keep, steps, positions=nxt)
         if step is not None:
             if step.seqs is seqs:                               # the same rows, in the same order:
@@ -755,8 +760,8 @@ class Engine:
                 self.metrics.inter_token.observe_many(gaps)
                 if k > 1:                                       # a fused call's tokens arrive together
                     self.metrics.inter_token.observe_n(0.0, len(gaps) * (k - 1))
-                for i in ends:                                  # their last tokens are in
-                    self._terminate(seqs[i].req, "length")
+                if ends:                                        # their last tokens are in
+                    self._finish_many([seqs[i].req for i in ends], "length")
                 if full is not None:                            # they go on: their full blocks are registered
                     for i in np.flatnonzero(full & ~special).tolist():
                         self.scheduler.register_computed(seqs[i])
@@ -845,34 +850,55 @@ class Engine:
 
     def _terminate(self, req: Request, reason: str | None = None, error: EngineError | None = None):
         """The one way a request ends (finish or error); safe from any thread, the first call wins."""
-        if not req.settle():
-            return
+        if req.settle():
+            self._retire([req], reason, error)
+
+    def _finish_many(self, reqs: list[Request], reason: str) -> None:
+        """`_terminate(req, reason)` for requests that end normally on the same call: their
+        sequences leave the scheduler in one pass (`Scheduler.remove_many`)."""
+        reqs = [r for r in reqs if r.settle()]
+        if reqs:
+            self._retire(reqs, reason, None)
+
+    def _retire(self, reqs: list[Request], reason: str | None, error: EngineError | None) -> None:
+        """The requests' end, once each has been settled (`Request.settle`) by this thread: their
+        sequences, blocks and adapter references go, then a parallel sample's siblings waiting on
+        its prefill, then the result and the ("finished", reason) or ("error", e) event."""
+        kids = []
         with self._state:
-            seq = self._seqs.pop(req, None)
-            forks, seq_forks = [], seq.forks if seq is not None else []
-            if seq_forks:                 # ended before its prefill: its siblings end with it
-                forks, seq.forks = seq_forks, []
-            if seq is not None:
-                try:
-                    self.scheduler.remove(seq)
-                except ValueError:
-                    pass
+            seqs = []
+            for req in reqs:
+                seq = self._seqs.pop(req, None)
+                if seq is not None:
+                    if seq.forks:             # ended before its prefill: its siblings end with it
+                        kids += seq.forks
+                        seq.forks = []
+                    seqs.append(seq)
+            try:
+                self.scheduler.remove_many(seqs)
+            except ValueError:
+                pass
             with self._lock:
-                self._endings += 1
-                if seq is not None and seq in self._inbox:
-                    self._inbox.remove(seq)
-        self.registry.release(req.adapter_ref)
-        for kid in forks:
+                self._endings += len(reqs)
+                if self._inbox:
+                    for seq in seqs:
+                        if seq in self._inbox:
+                            self._inbox.remove(seq)
+        for req in reqs:
+            self.registry.release(req.adapter_ref)
+        for kid in kids:
             self._terminate(kid.req, reason, error)
         if error is not None:
-            req.error = error
-            self.metrics.requests_failed[error.code] += 1
-            req.emit(("error", error))
+            for req in reqs:
+                req.error = error
+                self.metrics.requests_failed[error.code] += 1
+                req.emit(("error", error))
             return
-        self.metrics.requests_finished[reason] += 1
-        if req.result is None:      # the engine's view; a consumer (serve/output.py) adds text and stop strings
-            req.result = Result(req.request_id, req.adapter, list(req.tokens), None, reason, len(req.prompt_ids))
-        req.emit(("finished", reason))
+        self.metrics.requests_finished[reason] += len(reqs)
+        for req in reqs:
+            if req.result is None:  # the engine's view; a consumer (serve/output.py) adds text and stop strings
+                req.result = Result(req.request_id, req.adapter, list(req.tokens), None, reason, len(req.prompt_ids))
+            req.emit(("finished", reason))
 
     # ---- compile everything up front -------------------------------------------------------
     def warmup_tasks(self):

@@ -79,9 +79,18 @@ class BlockPool:
         return block
 
     def allocate_many(self, n: int) -> list[int]:
+        """n blocks, in the order n `allocate` calls would give them (free ones first, then the least
+        recently used evictable ones)."""
         if n > self.num_available:
             raise NoFreeBlocks(f"need {n} KV blocks, {self.num_available} available")
-        return [self.allocate() for _ in range(n)]
+        free = self._free
+        if n > len(free):
+            return [self.allocate() for _ in range(n)]
+        blocks = [free.popleft() for _ in range(n)]
+        ref = self._ref
+        for block in blocks:
+            ref[block] = 1
+        return blocks
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drops one reference per block; unreferenced cached blocks become evictable (most recent last),

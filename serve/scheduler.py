@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections import deque
 
@@ -141,6 +142,27 @@ class Scheduler:
                 pass
         self._free(seq)
 
+    def remove_many(self, seqs: list[Sequence]) -> None:
+        """`remove` for each of `seqs`, in order: one pass over the running list for many (a batch
+        whose requests end on the same call)."""
+        if len(seqs) <= 2:
+            for seq in seqs:
+                self.remove(seq)
+            return
+        gone = set(seqs)
+        kept = [s for s in self.running if s not in gone]
+        if len(self.running) - len(kept) < len(gone):    # some are not running: waiting, or neither
+            out = gone.difference(self.running)
+            for seq in seqs:
+                if seq in out:
+                    try:
+                        self.waiting.remove(seq)
+                    except ValueError:
+                        pass
+        self.running[:] = kept
+        for seq in seqs:
+            self._free(seq)
+
     def _free(self, seq: Sequence) -> None:
         self.pool.free(seq.blocks)
         seq.blocks = []
@@ -161,6 +183,23 @@ class Scheduler:
             return False
         seq.blocks.extend(self.pool.allocate_many(need))
         return True
+
+    def grow_many(self, seqs: list[Sequence], upto: list[int]) -> list[bool]:
+        """`grow(seqs[i], upto[i])` for each in order (the same blocks to the same sequences), with one
+        pool check and one allocation when the pool has them all (a batch whose rows enter a new
+        block together)."""
+        bs = self.config.block_size
+        need = [max(0, -(-u // bs) - len(s.blocks)) for s, u in zip(seqs, upto)]
+        total = sum(need)
+        if total > self.pool.num_available:               # some fail: in order, as one grow each
+            return [self.grow(s, u) for s, u in zip(seqs, upto)]
+        blocks = iter(self.pool.allocate_many(total))
+        for s, n in zip(seqs, need):
+            if n == 1:
+                s.blocks.append(next(blocks))
+            elif n:
+                s.blocks.extend(itertools.islice(blocks, n))
+        return [True] * len(seqs)
 
     def copy_on_write(self, seq: Sequence, pos: int) -> tuple[int, int] | None:
         """Before position `pos` is written: if its block is shared (a fork's partial prompt block),

@@ -283,8 +283,7 @@ class DecodeRows:
         row_of, bs, admitted = self.row_of, self.block_size, self._admitted
         if len(row_of) != len(seqs) or any(s not in row_of for s in seqs):
             live = set(seqs)
-            for s in [s for s in row_of if s not in live]:
-                self.release(s)
+            self.release_many([s for s in row_of if s not in live])
         rows_l = [row_of.get(s) for s in seqs]
         filled = None in rows_l or any(admitted[r] != s.admitted_at for r, s in zip(rows_l, seqs))
         if filled:                                         # new (or re-admitted) sequences: fill their rows
@@ -300,10 +299,9 @@ class DecodeRows:
         rows = np.array(rows_l, np.int32)
         pos = np.fromiter([s.num_computed for s in seqs], np.int64, len(seqs)) + ahead
         lens = np.fromiter([len(s.blocks) for s in seqs], np.int64, len(seqs))
-        for i in np.flatnonzero(lens > self._blocks[rows]).tolist():      # blocks gained since the last call
-            r, blocks = rows_l[i], seqs[i].blocks
-            self.block_tables[r, self._blocks[r]:len(blocks)] = blocks[self._blocks[r]:]
-            self._blocks[r] = len(blocks)
+        gained = np.flatnonzero(lens > self._blocks[rows])                # blocks gained since the last call
+        if gained.size:
+            self._extend_tables(rows[gained], [seqs[i] for i in gained.tolist()])
         b = pos // bs
         block = np.fromiter([s.blocks[j] for s, j in zip(seqs, b.tolist())], np.int64, len(seqs))
         self.block_tables[rows, b] = block                 # a copy-on-write replaces the written block
@@ -338,23 +336,36 @@ class DecodeRows:
         else:
             kept = keep.tolist()
             seqs = [s for s, k in zip(prev_seqs, kept) if k]
-            for s, k in zip(prev_seqs, kept):
-                if not k and s in self.row_of:
-                    self.release(s)
+            self.release_many([s for s, k in zip(prev_seqs, kept) if not k and s in self.row_of])
             rows = prev_rows[keep]
             if positions is not None:
                 positions = positions[keep]
         bs, at = self.block_size, self._index(rows)
         pos = self.context_lens[at].astype(np.int64) + by if positions is None else positions
         last = (pos + span - 1) // bs                                    # the last block the call reaches
-        for i in np.flatnonzero(last >= self._blocks[at]).tolist():       # blocks not in the table yet
-            r, blocks = int(rows[i]), seqs[i].blocks
-            self.block_tables[r, self._blocks[r]:len(blocks)] = blocks[self._blocks[r]:]
-            self._blocks[r] = len(blocks)
+        short = np.flatnonzero(last >= self._blocks[at])                  # blocks not in the table yet
+        if short.size:
+            self._extend_tables(rows[short], [seqs[i] for i in short.tolist()])
         self.context_lens[at] = pos
         self.counters[at] += by
         self.from_prev[at] = 1
-        return seqs, rows, int(last.max(initial=0)) + 1, pos
+        return seqs, rows, int(last.max()) + 1 if len(last) else 1, pos
+
+    def _extend_tables(self, rows: np.ndarray, seqs: list[Sequence]) -> None:
+        """Writes the block-table entries the sequences `seqs` (on `rows`) gained since their tables
+        were last written: per row for a few, one column write when many rows gained one block
+        each (a batch whose positions enter a new block together)."""
+        if len(seqs) > 4:
+            have = self._blocks[rows]
+            lens = np.fromiter([len(s.blocks) for s in seqs], np.int64, len(seqs))
+            if (lens == have + 1).all():
+                self.block_tables[rows, have] = [s.blocks[-1] for s in seqs]
+                self._blocks[rows] = lens
+                return
+        for r, s in zip(rows.tolist(), seqs):
+            blocks, have = s.blocks, int(self._blocks[r])
+            self.block_tables[r, have:len(blocks)] = blocks[have:]
+            self._blocks[r] = len(blocks)
 
     def _index(self, rows: np.ndarray):
         """`rows` as an index of the column views: a basic slice when they are r0 .. r0 + n - 1 in
@@ -397,9 +408,28 @@ class DecodeRows:
         self.prompt_lens[r], self.top_p[r] = 1, 1.0
         heapq.heappush(self._free, r)
 
+    def release_many(self, seqs: list[Sequence]) -> None:
+        """`release` for each of `seqs` (rows it holds), column-wise when many leave together (a
+        batch whose requests end on the same call)."""
+        if len(seqs) <= 4:
+            for s in seqs:
+                self.release(s)
+            return
+        rows = [self.row_of.pop(s) for s in seqs]
+        self.logprob_rows -= sum(s.req.sampling.logprobs is not None for s in seqs)
+        self.adapted_rows -= int(np.count_nonzero(self.adapter_ids[rows]))
+        self.buffer[rows] = 0
+        self._blocks[rows] = 0
+        admitted = self._admitted
+        for r in rows:
+            admitted[r] = 0
+        self.prompt_lens[rows], self.top_p[rows] = 1, 1.0
+        free = self._free
+        for r in rows:
+            heapq.heappush(free, r)
+
     def clear(self) -> None:
-        for s in list(self.row_of):
-            self.release(s)
+        self.release_many(list(self.row_of))
 
 
 class StepRunner:

@@ -86,3 +86,85 @@ def test_prefilling_sequences_that_hold_each_others_blocks_do_not_deadlock():
             break
     assert seqs[0].status == DECODE and seqs[0].preemptions == 0      # the oldest never gave way
     assert seqs[1].preemptions == 1
+
+
+def _twin_schedulers(free_blocks: int, cached: int):
+    """Two schedulers over identical pools: `cached` registered, unreferenced (evictable) blocks,
+    then `free_blocks` of the rest allocated away so that many stay free."""
+    from preft_jax.config import tiny_config
+    from serve.registry import AdapterRegistry
+    from serve.scheduler import Scheduler, SchedulerConfig
+    out = []
+    for _ in range(2):
+        pool = BlockPool(40, 4)
+        held = pool.allocate_many(cached)
+        for i, b in enumerate(held):
+            pool.register(b, bytes([i]))
+        pool.free(held)                                   # evictable, LRU order kept
+        pool.allocate_many(len(pool._free) - free_blocks)
+        out.append(Scheduler(SchedulerConfig(8, 64, 4, 64, 4), pool, AdapterRegistry(tiny_config(), 0)))
+    return out
+
+
+@pytest.mark.parametrize("free_blocks,cached", [(30, 0), (6, 3), (4, 0), (0, 2)])
+def test_grow_many_equals_one_grow_each(free_blocks, cached):
+    """`Scheduler.grow_many` (one pool check, one allocation) against `grow` called per sequence in
+    order on a twin pool: the same results, the same blocks to the same sequences, the same pool
+    after - with room for all, with evictable blocks taken after the free ones, and short of blocks
+    (the later sequences that still fit get theirs, as one grow each)."""
+    import numpy as np
+    from preft_jax.sampling import SamplingParams
+    from serve.request import Request
+    from serve.scheduler import Sequence
+    rng = np.random.default_rng(free_blocks * 10 + cached)
+    for trial in range(20):
+        a, b = _twin_schedulers(free_blocks, cached)
+        seqs = []
+        for sched in (a, b):
+            r2 = np.random.default_rng(trial)
+            group = []
+            for i in range(int(r2.integers(1, 9))):
+                req = Request(f"r{i}", [1], None, SamplingParams(max_new_tokens=8), (), ())
+                s = Sequence(req, [1], 1)
+                s.blocks = [int(x) for x in r2.integers(100, 200, int(r2.integers(0, 3)))]
+                group.append(s)
+            seqs.append(group)
+        upto = [len(s.blocks) * 4 + int(rng.integers(-3, 9)) for s in seqs[0]]
+        got = a.grow_many(seqs[0], upto)
+        want = [b.grow(s, u) for s, u in zip(seqs[1], upto)]
+        assert got == want, (trial, upto)
+        assert [s.blocks for s in seqs[0]] == [s.blocks for s in seqs[1]]
+        assert list(a.pool._free) == list(b.pool._free) and list(a.pool._evictable) == list(b.pool._evictable)
+        assert a.pool._ref == b.pool._ref and a.pool.stats == b.pool.stats
+
+
+def test_remove_many_equals_one_remove_each():
+    """`Scheduler.remove_many` (one pass over the running list) against `remove` per sequence in
+    order on a twin scheduler: running and waiting sequences, and some in neither; the same lists
+    and the same pool (free order, reference counts) after."""
+    import numpy as np
+    from preft_jax.sampling import SamplingParams
+    from serve.request import Request
+    from serve.scheduler import Sequence
+    for trial in range(30):
+        twins = _twin_schedulers(30, 0)
+        picked = []
+        for sched in twins:
+            rng = np.random.default_rng(trial)
+            all_seqs = []
+            for i in range(int(rng.integers(3, 12))):
+                req = Request(f"r{i}", [1], None, SamplingParams(max_new_tokens=8), (), ())
+                s = Sequence(req, [1], 1)
+                s.blocks = sched.pool.allocate_many(int(rng.integers(0, 3)))
+                where = rng.integers(0, 3)
+                (sched.running if where == 0 else sched.waiting if where == 1 else []).append(s)
+                all_seqs.append(s)
+            picked.append([all_seqs[i] for i in rng.permutation(len(all_seqs))[:int(rng.integers(0, len(all_seqs)))]])
+        a, b = twins
+        a.remove_many(picked[0])
+        for s in picked[1]:
+            b.remove(s)
+        name = lambda seqs: [s.req.request_id for s in seqs]          # noqa: E731
+        assert name(a.running) == name(b.running) and name(a.waiting) == name(b.waiting), trial
+        assert list(a.pool._free) == list(b.pool._free) and a.pool._ref == b.pool._ref, trial
+        assert all(s.blocks == [] for s in picked[0])

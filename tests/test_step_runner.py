@@ -166,3 +166,49 @@ def test_advance_equals_a_rebuild_along_pipelined_chains():
         account(prev_seqs)                                           # the chain's last call
         running = [s for s in running if rng.random() < 0.8]         # some finish between chains
     assert checked > 300, checked
+
+
+def test_rows_entering_blocks_together():
+    """Every row at the same position (a batch admitted together), so all enter a new block on the
+    same call (`_extend_tables`' column write), and now and then one row gains two blocks at once
+    (the per-row path): `advance` and `update` against the from-scratch reference."""
+    rng = np.random.default_rng(3)
+    rows = DecodeRows(R, MAX_BLOCKS, BS)
+    seqs = []
+    for i in range(R):
+        s = _seq(rng, i)
+        s.num_computed = BS - 2                                       # all rows at one position
+        s.tokens = s.tokens[:1] * 0 + rng.integers(0, 100, BS - 1).tolist()
+        s.plen = BS - 2
+        s.blocks = s.blocks[:1]
+        seqs.append(s)
+    got_rows, _, _ = rows.update(seqs, 0)
+    prev_seqs, prev_rows = seqs, got_rows
+    for link in range(3 * BS):
+        two = link == BS + 1                                          # one row gets two blocks here
+        for j, s in enumerate(prev_seqs):
+            need = (s.num_computed + 1) // BS + 1 + (two and j == 0)
+            while len(s.blocks) < min(need, MAX_BLOCKS):
+                s.blocks.append(int(rng.integers(400, 500)))
+        if link % 5 == 4:                                             # a fresh update between chains
+            got_rows, _, _ = rows.update(prev_seqs, 1)
+            np.testing.assert_array_equal(rows.buffer, _reference(prev_seqs, got_rows, 1, rows.buffer))
+            _check_writes(rows, prev_seqs, got_rows, 1, f"update {link}")
+        else:
+            got, new_rows, width, _ = rows.advance(prev_seqs, prev_rows, None)
+            assert got is prev_seqs
+            np.testing.assert_array_equal(rows.buffer, _reference(got, new_rows, 1, rows.buffer),
+                                          err_msg=f"link {link}")
+            _check_writes(rows, got, new_rows, 1, f"link {link}")
+            assert width == (got[0].num_computed + 1) // BS + 1
+        for s in prev_seqs:
+            s.num_computed += 1
+            s.tokens.append(int(rng.integers(0, 100)))
+            s.req.tokens.append(s.tokens[-1])
+    keep = np.zeros(R, bool)
+    keep[2] = True                                                    # five rows end on one call
+    got, new_rows, _, _ = rows.advance(prev_seqs, prev_rows, keep)
+    assert got == [prev_seqs[2]] and rows.logprob_rows == int(prev_seqs[2].req.sampling.logprobs is not None)
+    np.testing.assert_array_equal(rows.buffer, _reference(got, new_rows, 1, rows.buffer))
+    assert sorted(rows._free) == sorted(set(range(R)) - {int(new_rows[0])})
+    assert rows.update([seqs[0]], 0)[0].tolist() == [0]               # the lowest free row again
