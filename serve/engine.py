@@ -670,6 +670,11 @@ class Engine:
                 self._terminate(s.req, error=_engine_failure("decoding", s.req))
             self._recover_cache()
 
+    def _grow(self, seqs: list[Sequence], upto: list[int]) -> list[bool]:
+        """KV blocks for positions < upto[i] of each of `seqs` (`Scheduler.grow_many`); False: none left."""
+        with self._state:
+            return self.scheduler.grow_many(seqs, upto)
+
     def _room_of(self, s: Sequence) -> int:
         """Tokens the sequence may still generate (its request's budget, the context length)."""
         return min(s.req.sampling.max_new_tokens - len(s.req.tokens), self.config.max_model_len - len(s.tokens))
@@ -682,10 +687,10 @@ class Engine:
         """The next call of a pipelined chain, dispatched before the host has seen `prev`'s tokens:
         its rows that may still generate a token after `prev`'s (`room`), are neither finished nor
         cancelled, and have a home for the positions the call reaches (blocks are allocated only
-        for the rows whose positions enter a new one). One call fuses `decode_steps_per_call` steps
+        for the rows whose positions enter a block they lack: `DecodeRows.advance` finds them, the
+        scheduler grows them). One call fuses `decode_steps_per_call` steps
         (`StepRunner.fused_steps`). Per-row work is vectorized over the `DecodeStep` arrays; None
         when no row continues."""
-        c = self.config
         steps = self.step_runner.fused_steps()
         room = prev.room - prev.steps                           # tokens each row may generate after prev's
         seqs, hand = prev.seqs, prev.handout
@@ -694,28 +699,21 @@ class Engine:
         nxt = prev.positions + prev.steps                       # the first position the call writes
         ended = hand.ended(self._endings)
         if not ended and room.min() >= steps:                   # the common case: every row goes on, `steps` tokens
-            keep, reach = None, nxt + steps
+            keep = reach = None
         else:
             keep = room >= 1
             if ended:
                 keep &= ~hand.ended_rows()
             reach = nxt + np.minimum(steps, room)               # positions < reach need a home: the later
                                                                 # ones' tokens are dropped (written to no block)
-        bs = c.block_size
-        enter = (reach - 1) // bs > (nxt - 1) // bs             # rows whose positions enter a new block
-        new_block = np.flatnonzero(enter if keep is None else enter & keep).tolist()
-        if new_block:
-            with self._state:
-                grown = self.scheduler.grow_many([seqs[i] for i in new_block], reach[new_block].tolist())
-            if not all(grown):
-                keep = np.ones(len(seqs), bool) if keep is None else keep
-                keep[[i for i, ok in zip(new_block, grown) if not ok]] = False
-        step = self.step_runner.continue_decode(prev, keep, steps, positions=nxt)
+        # the rows whose positions enter a block they lack get one from the scheduler (`_grow`); a row
+        # the pool cannot grow leaves the call and goes back through the scheduler next step
+        step = self.step_runner.continue_decode(prev, keep, steps, positions=nxt, reach=reach, grow=self._grow)
         if step is not None:
             if step.seqs is seqs:                               # the same rows, in the same order:
                 step.room, step.handout = room, hand            # the chain's per-row handles go on
-            else:
-                step.room = room[keep]
+            else:                                               # some left (`keep`, or no block for them)
+                step.room = room[np.isin(prev.rows, step.rows)]
         return step
 
     def _process_decode(self, step: DecodeStep):

@@ -319,13 +319,19 @@ class DecodeRows:
         return rows, int(b.max(initial=0)) + 1, filled
 
     def advance(self, prev_seqs: list[Sequence], prev_rows: np.ndarray, keep: np.ndarray | None, by: int = 1,
-                span: int = 1, positions: np.ndarray | None = None) -> tuple[list[Sequence], np.ndarray, int, np.ndarray]:
+                span: int = 1, positions: np.ndarray | None = None, reach: np.ndarray | None = None,
+                grow: Callable[[list[Sequence], list[int]], list[bool]] | None = None,
+                ) -> tuple[list[Sequence], np.ndarray, int, np.ndarray]:
         """`update(seqs, ahead=by)` for a pipelined call continuing the previous call (its sequences
         `prev_seqs` on rows `prev_rows`, from `update` or `advance`; `by`: the tokens it computes
         per row): the sequences where `keep` holds (None: all) move `by` positions on,
         column-wise (numpy; per-row Python only for a row whose table lacks a block of the `span`
         positions the call reaches), the others are released. `positions`: the caller's copy of
         the rows' new first positions (each row's context length + `by`), else read from the rows.
+        `reach` (per previous row; None: each row's positions + `span`): the positions below it need
+        a KV home; `grow(seqs, upto)` (the scheduler's allocation, e.g. `Scheduler.grow_many`) is
+        asked for the rows whose tables lack a block below their reach, and a row it cannot grow
+        leaves the call (released) as if `keep` had dropped it.
         Returns (the kept sequences, their rows, block-table width needed for `span` positions,
         their new positions; `prev_seqs` and `prev_rows` themselves when every row is kept).
         Valid only while nothing but this chain of calls changed the rows' sequences (no
@@ -340,12 +346,22 @@ class DecodeRows:
             rows = prev_rows[keep]
             if positions is not None:
                 positions = positions[keep]
+            if reach is not None:
+                reach = reach[keep]
         bs, at = self.block_size, self._index(rows)
         pos = self.context_lens[at].astype(np.int64) + by if positions is None else positions
         last = (pos + span - 1) // bs                                    # the last block the call reaches
-        short = np.flatnonzero(last >= self._blocks[at])                  # blocks not in the table yet
+        home = last if reach is None else (reach - 1) // bs              # the last block that needs a home
+        short = np.flatnonzero(home >= self._blocks[at])                 # blocks not in the table yet
         if short.size:
-            self._extend_tables(rows[short], [seqs[i] for i in short.tolist()])
+            idx = short.tolist()
+            if grow is not None:
+                grown = grow([seqs[i] for i in idx], ((pos + span) if reach is None else reach)[short].tolist())
+                if not all(grown):                                       # no block for them: they leave
+                    stay = np.ones(len(seqs), bool)
+                    stay[[i for i, ok in zip(idx, grown) if not ok]] = False
+                    return self.advance(seqs, rows, stay, by, span, pos, reach)
+            self._extend_tables(rows[short], [seqs[i] for i in idx])
         self.context_lens[at] = pos
         self.counters[at] += by
         self.from_prev[at] = 1
@@ -628,14 +644,17 @@ class StepRunner:
         return self._dispatch(seqs, rows, width, after)
 
     def continue_decode(self, after: DecodeStep, keep: np.ndarray | None, steps: int = 1,
-                        positions: np.ndarray | None = None) -> DecodeStep | None:
+                        positions: np.ndarray | None = None, reach: np.ndarray | None = None,
+                        grow: Callable[[list[Sequence], list[int]], list[bool]] | None = None) -> DecodeStep | None:
         """`dispatch_decode(seqs, after=after)` for the sequences of `after` where `keep` (bool, one
         per sequence; None: every one) holds, as one call of `steps` fused decode steps: every kept
         row has a home for the positions whose tokens it may still use (a later position's write
         goes to no block of its own: dropped or into the reserved block, never read). The rows
         move on column-wise (`DecodeRows.advance`), no per-sequence reads; `positions`, when the
-        caller has them: `after`'s rows' first positions in this call. None when no row is kept."""
-        seqs, rows, width, positions = self.rows.advance(after.seqs, after.rows, keep, after.steps, steps, positions)
+        caller has them: `after`'s rows' first positions in this call; `reach` and `grow`: the rows'
+        KV homes, as for `DecodeRows.advance`. None when no row is kept."""
+        seqs, rows, width, positions = self.rows.advance(after.seqs, after.rows, keep, after.steps, steps, positions,
+                                                         reach, grow)
         if not seqs:
             return None
         return self._dispatch(seqs, rows, width, after, steps, positions=positions)

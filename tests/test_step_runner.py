@@ -147,10 +147,27 @@ def test_advance_equals_a_rebuild_along_pipelined_chains():
         for link in range(int(rng.integers(1, 7))):
             keep = rng.random(len(prev_seqs)) < 0.85                  # some rows leave the chain
             kept = [s for s, k in zip(prev_seqs, keep) if k]
-            for s in kept:               # a home for the position it writes next (the engine's grow)
-                if len(s.blocks) * BS <= s.num_computed + 1:
+            lacking = [s for s in kept if len(s.blocks) * BS <= s.num_computed + 1]
+            if link % 2:                 # a home for the position it writes next (the engine's grow)
+                for s in lacking:
                     s.blocks.append(int(rng.integers(400, 500)))
-            got, new_rows, width, positions = rows.advance(prev_seqs, prev_rows, keep)
+                got, new_rows, width, positions = rows.advance(prev_seqs, prev_rows, keep)
+            else:                        # advance asks `grow` for the rows lacking one; some get none
+                asked, failed = [], set()
+
+                def grow(ss, upto):
+                    asked.extend(zip(ss, upto))
+                    for s in ss:
+                        if rng.random() < 0.25:
+                            failed.add(s)
+                        else:
+                            s.blocks.append(int(rng.integers(400, 500)))
+                    return [s not in failed for s in ss]
+
+                got, new_rows, width, positions = rows.advance(prev_seqs, prev_rows, keep, grow=grow)
+                assert asked == [(s, s.num_computed + 2) for s in lacking]
+                kept = [s for s in kept if s not in failed]
+                assert all(s not in rows.row_of for s in failed)
             assert got == kept
             assert positions.tolist() == [s.num_computed + 1 for s in kept]   # the position each row writes
             np.testing.assert_array_equal(rows.buffer, _reference(kept, new_rows, 1, rows.buffer),
