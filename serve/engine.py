@@ -872,10 +872,7 @@ class Engine:
                         kids += seq.forks
                         seq.forks = []
                     seqs.append(seq)
-            try:
-                self.scheduler.remove_many(seqs)
-            except ValueError:
-                pass
+            self.scheduler.remove_many(seqs)
             with self._lock:
                 self._endings += len(reqs)
                 if self._inbox:

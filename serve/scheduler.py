@@ -188,16 +188,13 @@ class Scheduler:
         """`grow(seqs[i], upto[i])` for each in order (the same blocks to the same sequences), with one
         pool check and one allocation when the pool has them all (a batch whose rows enter a new
         block together)."""
-        bs = self.config.block_size
-        need = [max(0, -(-u // bs) - len(s.blocks)) for s, u in zip(seqs, upto)]
+        need = list(map(self._blocks_needed, seqs, upto))
         total = sum(need)
         if total > self.pool.num_available:               # some fail: in order, as one grow each
             return [self.grow(s, u) for s, u in zip(seqs, upto)]
         blocks = iter(self.pool.allocate_many(total))
         for s, n in zip(seqs, need):
-            if n == 1:
-                s.blocks.append(next(blocks))
-            elif n:
+            if n:
                 s.blocks.extend(itertools.islice(blocks, n))
         return [True] * len(seqs)
 

@@ -263,7 +263,7 @@ class DecodeRows:
         self.temperature, self.top_p = b[:, TEMPERATURE].view(np.float32), b[:, TOP_P].view(np.float32)
         self.key_data = b[:, KEY:KEY + 2].view(np.uint32)
         self.block_tables = b[:, BLOCKS:]
-        self.prompt_lens[:], self.top_p[:] = 1, 1.0        # padding rows (chunk length 0: no attention, no write)
+        self._pad(slice(None))
         self.row_of: dict[Sequence, int] = {}
         self._admitted = [0] * rows          # the admission a row was filled for (re-admission: refill)
         self._blocks = np.zeros(rows, np.int64)   # block-table entries written
@@ -414,34 +414,29 @@ class DecodeRows:
         self.logprob_rows += sum(s.req.sampling.logprobs is not None for s in seqs)
         return rows
 
+    def _pad(self, rows) -> None:
+        """Makes `rows` (an index of the buffer's rows) padding: chunk length 0 (no attention, no
+        write), every column 0 but prompt length 1 and top_p 1."""
+        self.buffer[rows] = 0
+        self.prompt_lens[rows], self.top_p[rows] = 1, 1.0
+
     def release(self, s: Sequence) -> None:
         """Frees the sequence's row (padding from now on)."""
-        r = self.row_of.pop(s)
-        self.logprob_rows -= s.req.sampling.logprobs is not None
-        self.adapted_rows -= int(self.adapter_ids[r] != 0)
-        self.buffer[r] = 0
-        self._blocks[r] = self._admitted[r] = 0
-        self.prompt_lens[r], self.top_p[r] = 1, 1.0
-        heapq.heappush(self._free, r)
+        self.release_many([s])
 
     def release_many(self, seqs: list[Sequence]) -> None:
-        """`release` for each of `seqs` (rows it holds), column-wise when many leave together (a
-        batch whose requests end on the same call)."""
-        if len(seqs) <= 4:
-            for s in seqs:
-                self.release(s)
+        """Frees the rows of `seqs` (each holds one), column-wise: a batch whose requests end on the
+        same call frees its rows in one write per column."""
+        if not seqs:
             return
         rows = [self.row_of.pop(s) for s in seqs]
         self.logprob_rows -= sum(s.req.sampling.logprobs is not None for s in seqs)
         self.adapted_rows -= int(np.count_nonzero(self.adapter_ids[rows]))
-        self.buffer[rows] = 0
+        self._pad(rows)
         self._blocks[rows] = 0
-        admitted = self._admitted
+        admitted, free = self._admitted, self._free
         for r in rows:
             admitted[r] = 0
-        self.prompt_lens[rows], self.top_p[rows] = 1, 1.0
-        free = self._free
-        for r in rows:
             heapq.heappush(free, r)
 
     def clear(self) -> None:
