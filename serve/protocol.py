@@ -128,6 +128,8 @@ def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], logprobs: i
         raise BadRequest(f"'temperature' must be at most {MAX_TEMPERATURE:g} (the OpenAI API's range), got "
                          f"{shown(temperature)}", "temperature")
     top_k = get(body, "top_k", int, 0)
+    if get(body, "ignore_eos", bool, False):     # vLLM's extension: the model's EOS ids do not stop it
+        stop_ids = (-1,)
     try:
         return SamplingParams(temperature=temperature, top_p=get(body, "top_p", (int, float), 1.0),
                               top_k=0 if top_k == -1 else top_k,              # -1 or 0: off (vLLM uses -1)

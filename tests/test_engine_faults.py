@@ -258,25 +258,32 @@ def test_shutdown_with_a_stuck_step_returns_and_fails_everything(model):
 
 
 def test_health_reports_a_wedged_step(model):
+    """/health's status over an engine's life (serve.api.ops.health_status): unhealthy before its loop
+    starts and while a step is wedged, ok otherwise, shutting_down once shut down - also after the
+    drain has ended the loop (the process is about to exit: not "unhealthy")."""
+    from serve.api.ops import health_status
     eng, faults = _engine(model, max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=8, wedge_timeout=0.3)
     faults.block = threading.Event()
+    assert health_status(eng.health()) == "unhealthy"
     eng.start()
     try:
-        assert not eng.health()["wedged"]
+        assert not eng.health()["wedged"] and health_status(eng.health()) == "ok"
         r = eng.submit([3, 4], None, _sp(5))
         deadline = time.monotonic() + 60
         while not eng.health()["wedged"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert eng.health()["wedged"]
+        assert eng.health()["wedged"] and health_status(eng.health()) == "unhealthy"
         faults.block.set()
         r.wait(timeout=60)
         deadline = time.monotonic() + 30                 # the step that settled r may still be ending
         while eng.health()["wedged"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not eng.health()["wedged"]
+        assert not eng.health()["wedged"] and health_status(eng.health()) == "ok"
     finally:
         faults.block.set()
         eng.shutdown()
+    h = eng.health()
+    assert not h["loop_running"] and health_status(h) == "shutting_down"
     jax.clear_caches()
 
 

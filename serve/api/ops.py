@@ -24,11 +24,21 @@ async def health(request: Request):
              runtime=runtime_status())       # caches and native library; "degraded": one line per mode
     # every degraded mode in one list, each as its log line says it: caches, native library, skipped warm-up
     h["degraded"] = h["runtime"]["degraded"] + [f"warm-up skipped {s}" for s in h["warmup_skipped"]]
-    if h["wedged"] or not h["loop_running"]:
-        return JSONResponse(dict(h, status="unhealthy"), status_code=503)
+    status = health_status(h)
+    if status == "ok":
+        return dict(h, status=status)
+    return JSONResponse(dict(h, status=status), status_code=503,
+                        headers=ctx.retry if status == "shutting_down" else None)
+
+
+def health_status(h: dict) -> str:
+    """"unhealthy" (the loop died while accepting, or a step is wedged), "shutting_down" (no longer
+    accepting: draining, or the drain over and the process about to exit), or "ok"."""
+    if h["wedged"]:
+        return "unhealthy"
     if not h["accepting"]:
-        return JSONResponse(dict(h, status="shutting_down"), status_code=503, headers=ctx.retry)
-    return dict(h, status="ok")
+        return "shutting_down"
+    return "ok" if h["loop_running"] else "unhealthy"
 
 
 @router.get("/metrics")
