@@ -57,6 +57,9 @@ from benchmarks import cost_model as cm
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BLOCK = 16
+GiB = 2 ** 30
+HEADROOM = 2 * GiB     # a decode case's memory beside the weights, its pool and its logits: activations,
+                       # compiler workspace (a plan, not a measurement: benchmarks.memory_plan measures)
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -69,14 +72,30 @@ class Hardware:
     measured_bandwidth: float | None
     measured_peak: float | None
     source: str                    # where bandwidth / peak come from
+    memory: int | None = None      # bytes this process may allocate on the device (`device_memory`)
 
     def line(self) -> str:
         m = ""
         if self.measured_bandwidth:
             m = (f"; measured here: stream copy {self.measured_bandwidth / 1e9:.1f} GB/s, matmul "
                  f"{self.measured_peak / 1e12:.3f} TFLOP/s")
+        if self.memory:
+            m += f"; device memory for this process {self.memory / GiB:.1f} GiB"
         return (f"{self.device}: bound from {self.bandwidth / 1e9:.1f} GB/s and {self.peak / 1e12:.3f} TFLOP/s "
                 f"({self.source}){m}")
+
+
+def device_memory(dev=None) -> int | None:
+    """Bytes this process may allocate on `dev` (default: the first device): `memory_stats()`'s
+    bytes_limit - on a GPU the share XLA's allocator took (XLA_PYTHON_CLIENT_MEM_FRACTION, 75% by
+    default). None where jax does not report one (CPU)."""
+    dev = dev or jax.devices()[0]
+    try:
+        stats = dev.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
 
 
 def measure_bandwidth(nbytes: int, calls: int = 5) -> float:
@@ -122,9 +141,9 @@ def hardware(dtype, bandwidth: float | None = None, peak: float | None = None, m
     if measure:
         mb = measure_bandwidth((256 if cpu else 2048) << 20)
         mp = measure_peak(1024 if cpu else 8192, dtype)
-    stated = next((v for k, v in cm.HARDWARE.items() if k in kind), None)
+    stated = cm.stated_hardware(kind)
     if stated is not None and not cpu:
-        bw, pk, source = stated[0], stated[1], f"stated for {kind}"
+        (bw, pk), source = stated[1], f"stated for {kind} ({stated[0]})"
         if jnp.dtype(dtype) == jnp.float32:
             source += ", bf16 peak (float32 matmuls may run as TF32)"
     else:
@@ -133,7 +152,7 @@ def hardware(dtype, bandwidth: float | None = None, peak: float | None = None, m
         bw, source = bandwidth, "--bandwidth/--peak"
     if peak:
         pk, source = peak, "--bandwidth/--peak"
-    return Hardware(f"{dev.platform} / {kind}", bw, pk, mb, mp, source)
+    return Hardware(f"{dev.platform} / {kind}", bw, pk, mb, mp, source, None if cpu else device_memory(dev))
 
 
 # --------------------------------------------------------------------------------- the model
@@ -159,8 +178,7 @@ def decode_inputs(cfg, rows: int, context: int, dtype, *, pool_factor: int = 1, 
     rng = np.random.default_rng(seed)
     bt = (1 + np.arange(rows * nb, dtype=np.int32)).reshape(rows, nb)
     widx = (bt[:, context // BLOCK] * BLOCK + context % BLOCK)[:, None].astype(np.int32)
-    cache = PagedKVCache.create(cfg, NB, BLOCK, dtype)
-    cache = jax.tree.map(lambda x: x + jnp.asarray(0.1, dtype), cache)       # non-zero K/V
+    cache = PagedKVCache.create(cfg, NB, BLOCK, dtype, fill=0.1)             # non-zero K/V, made once
     batch = PagedBatch(jnp.asarray(bt), jnp.full((rows,), context, jnp.int32), jnp.ones((rows,), jnp.int32),
                        jnp.asarray(widx), attention or choose_attention(cfg, BLOCK))
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, 1)), jnp.int32)
@@ -316,17 +334,48 @@ def _kv_bytes(cfg, rows, context, dtype, pool_factor=1) -> int:
     return (pool_factor * rows * nb + 1) * BLOCK * cfg.n_layers * 2 * cfg.kv_dim * jnp.dtype(dtype).itemsize
 
 
+def resident_bytes(runner) -> int:
+    """The model's weights on the device (every array of its state)."""
+    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(runner.state))
+
+
+def decode_need(runner, rows: int, context: int, dtype, pool_factor: int = 1, steps: int = 1,
+                resident: int | None = None) -> dict:
+    """What a decode case holds on the device at once: the weights, its KV pool (`decode_inputs`'s
+    size), its logits (float32, with the sampler's copy) and `HEADROOM`; bytes, and 'total'."""
+    need = {"weights": resident_bytes(runner) if resident is None else resident,
+            "KV pool": _kv_bytes(runner.cfg, rows, context + steps - 1, dtype, pool_factor),
+            "logits": 2 * rows * steps * runner.cfg.vocab_size * 4, "headroom": HEADROOM}
+    need["total"] = sum(need.values())
+    return need
+
+
+def over_memory(need: dict, limit: int | None) -> str | None:
+    """None when `need` (decode_need) fits `limit` bytes (None: no limit known), else why not."""
+    if limit is None or need["total"] <= limit:
+        return None
+    parts = " + ".join(f"{k} {v / GiB:.1f}" for k, v in need.items() if k != "total")
+    return f"needs ~{need['total'] / GiB:.1f} GiB ({parts}) > the device's {limit / GiB:.1f} GiB"
+
+
 def decode_rows(runner, shape, dtype, specs, args, log, deadline: float | None = None) -> tuple[list[Row], list[str]]:
     """Decode figures for specs [(B, context, steps per call)] (steps 0: one paged_step per call, N:
     paged_decode_steps with N steps per call). A case whose first call fails (e.g. a kernel that
-    does not compile here) is reported and left out."""
+    does not compile here) is reported and left out; so is one whose pool exceeds --max-kv-gb or
+    that would not fit the device's memory (`args.memory_limit`, bytes; None: not checked)."""
     cases, meta, skipped = {}, {}, []
     nbytes = jnp.dtype(dtype).itemsize
+    resident = resident_bytes(runner)
     for B, ctx, multi in specs:
         kv = _kv_bytes(runner.cfg, B, ctx + max(multi, 1) - 1, dtype)
         name = f"decode B={B} context {ctx}" + (f", {multi} steps per call" if multi else "")
         if kv > args.max_kv_gb * 1e9:
             skipped.append(f"{name}: KV pool {kv / 1e9:.1f} GB > --max-kv-gb {args.max_kv_gb}")
+            continue
+        why = over_memory(decode_need(runner, B, ctx, dtype, steps=max(multi, 1), resident=resident),
+                          getattr(args, "memory_limit", None))
+        if why:
+            skipped.append(f"{name}: {why}")
             continue
         cases[name] = DecodeLoop(runner, B, ctx, dtype, multi=multi)
         meta[name] = (B, ctx, multi, cm.decode_cost(shape, B, ctx, nbytes))
@@ -432,13 +481,25 @@ def engine_bound(row: Row, hw: Hardware) -> float:
 
 
 # ------------------------------------------------------------------------------- components
+def pool_factor(runner, rows: int, context: int, dtype, limit: int | None, factors=(4, 3, 2)) -> int | None:
+    """The largest of `factors` whose decode case (pool that many times the live context's) fits
+    `limit` bytes of device memory (None: no limit, the first); None when none does."""
+    resident = resident_bytes(runner)
+    return next((f for f in factors
+                 if over_memory(decode_need(runner, rows, context, dtype, f, resident=resident), limit) is None), None)
+
+
 def component_rows(runner, shape, dtype, case, args, log, deadline: float | None = None) -> list[Row]:
-    """Per-component times of one decode case by ablation (see the module docstring)."""
+    """Per-component times of one decode case by ablation (see the module docstring). The pool-size
+    case takes the largest pool (4x, 3x, 2x the live context's) that fits the device's memory
+    (`args.memory_limit`), and is left out when none does."""
     from preft_jax.paged_kv import write_kv
     from preft_jax.paged_step import paged_logits
     from flax import nnx
     B, ctx = case
     cfg = runner.cfg
+    factor = pool_factor(runner, B, ctx, dtype, getattr(args, "memory_limit", None))
+    larger = f"step, pool {factor}x larger"
     model = nnx.merge(runner.graphdef, runner.state)
     n_multi = args.multi_steps
 
@@ -478,10 +539,17 @@ def component_rows(runner, shape, dtype, case, args, log, deadline: float | None
         "KV writes alone": write_case(),
         f"{n_multi} steps in one call (paged_decode_steps)": DecodeLoop(runner, B, ctx, dtype, multi=n_multi),
         "step, host reads each step's tokens": DecodeLoop(runner, B, ctx, dtype, sync=True),
-        "step, pool 4x larger": DecodeLoop(runner, B, ctx, dtype, pool_factor=4),
     }
+    if factor:
+        cases[larger] = DecodeLoop(runner, B, ctx, dtype, pool_factor=factor)
+    else:
+        log("  no pool-size case: a pool 2x the live context's does not fit the device's memory")
     log(f"# components of decode B={B} context {ctx}: {len(cases)} cases")
-    times = time_round_robin(cases, args.rounds, args.round_s, log, deadline=deadline)
+    failed = []
+    times = time_round_robin(cases, args.rounds, args.round_s, log, deadline=deadline, failed=failed)
+    lost = [f for f in failed if not f.startswith(f"{larger}:")]
+    if lost:                                  # the ablation needs every other case
+        raise RuntimeError(f"decode components: {lost[0]}")
 
     def diff(a, *bs):
         """Per-round paired difference a - sum(bs) (the variants of one round ran back to back)."""
@@ -506,9 +574,10 @@ def component_rows(runner, shape, dtype, case, args, log, deadline: float | None
             diff("step", multi), note="dispatch and Python per call, not overlapped with the device"),
         Row("component", "host round trip (step reading its tokens - step)",
             diff("step, host reads each step's tokens", "step")),
-        Row("component", "pool 4x larger (same live context) - step", diff("step, pool 4x larger", "step"),
-            note="~0 when the step moves the live context's bytes, not the pool's"),
-    ]
+    ] + ([] if not factor else   # the larger pool alone may fail (out of memory: a step that copies it)
+         [Row("component", f"pool {factor}x larger (same live context) - step",
+              [float("nan")] if failed else diff(larger, "step"),
+              note=failed[0] if failed else "~0 when the step moves the live context's bytes, not the pool's")])
 
 
 def trace_ops(runner, dtype, case, steps: int = 5, top: int = 12) -> list[str]:
@@ -605,6 +674,7 @@ def run(args, log=print) -> dict:
     dtype_name = "bf16" if dtype == jnp.bfloat16 else "f32"
     hw = hardware(dtype, args.bandwidth and args.bandwidth * 1e9, args.peak and args.peak * 1e12,
                   measure=not args.no_measure)
+    args.memory_limit = int(args.device_memory_gb * GiB) if args.device_memory_gb else hw.memory
     log(f"# {hw.line()}")
     t0 = time.perf_counter()
     runner, shape = build(args.model, dtype)
@@ -620,10 +690,15 @@ def run(args, log=print) -> dict:
         res["rows"] += prefill_rows(runner, shape, dtype, args.prefill, args, log)
     if args.engine:
         res["rows"].append(engine_row(runner, shape, dtype, args, log))
-    if args.components:
-        res["components"] = component_rows(runner, shape, dtype, args.component_case, args, log)
-    if args.trace:
-        res["trace"] = trace_ops(runner, dtype, args.component_case)
+    why = over_memory(decode_need(runner, *args.component_case, dtype), args.memory_limit)
+    if why and (args.components or args.trace):
+        B, ctx = args.component_case
+        res["skipped"].append(f"components and trace of decode B={B} context {ctx}: {why}")
+    else:
+        if args.components:
+            res["components"] = component_rows(runner, shape, dtype, args.component_case, args, log)
+        if args.trace:
+            res["trace"] = trace_ops(runner, dtype, args.component_case)
     if args.cost_check:
         B, ctx = args.component_case
         res["cost_check"] = cost_analysis_check(args.model, dtype, B, ctx) + ((B, ctx),)
@@ -685,6 +760,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-measure", action="store_true", help="skip the stream-copy / matmul measurement")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--round-s", type=float, default=0.5, help="seconds of calls per variant per round")
+    ap.add_argument("--device-memory-gb", type=float, default=None, help="plan the decode cases against this many "
+                    "GiB of device memory (default: what jax reports for the device; none on CPU)")
     ap.add_argument("--max-kv-gb", type=float, default=None, help="skip decode cases whose KV pool is larger "
                     "(default 1.5 on CPU, 80 elsewhere)")
     return ap

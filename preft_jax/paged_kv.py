@@ -63,12 +63,15 @@ class PagedKVCache:
         return self.k.shape[3]
 
     @classmethod
-    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> "PagedKVCache":
+    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
+               fill: float = 0.0) -> "PagedKVCache":
+        """A pool of `num_blocks` blocks, every element `fill` (benchmarks use a non-zero one: made in
+        place, not as a second pool beside a zero one)."""
         if num_blocks < 2 or block_size < 1:
             raise ValueError(f"a paged cache needs >= 2 blocks (block 0 is reserved) and block_size >= 1, got "
                              f"{num_blocks}, {block_size}")
         shape = (cfg.n_layers, cfg.n_kv_heads, num_blocks, block_size, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return cls(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype))
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype=jnp.float32) -> int:

@@ -3,7 +3,7 @@ whether the kernels are right there, what PreFT buys when serving at the paper's
 markdown report into docs/device_check.md (between its `device_check:latest` markers; the earlier
 runs below them are kept).
 
-    python scripts/device_check.py                     # the prepared run: roofline,serving,training, < 6 min on one H200
+    python scripts/device_check.py                     # the prepared run: roofline,serving,training, < 6 min on one H200 or H100
     python scripts/device_check.py --dry-run           # the same sections at tiny shapes (CPU, interpret mode)
     python scripts/device_check.py --sections kernels,timing    # the kernel checks of the first lease
 
@@ -16,7 +16,12 @@ nothing):
             (paged_decode_steps: no host sync), the same for the Qwen2.5-0.5B shape, then the 8B
             shape at B=1, 16, 256, prefill chunks of 2048 and 512 tokens (base and PreFT-LoRA with 64
             adapters), and the 8B decode step's components by ablation plus its op profile; each
-            figure beside its bound ("NN% of HBM bound", H200: 4.8 TB/s, 989 TFLOP/s).
+            figure beside its bound ("NN% of HBM bound", H200: 4.8 TB/s, 989 TFLOP/s; H100 SXM:
+            3.35 TB/s, 989). Every decode case is planned against the device's memory first
+            (weights + its KV pool + logits + 2 GiB, `benchmarks.roofline.decode_need`): one that
+            cannot fit is listed as skipped with what it needs (on an 80 GB H100: the 8B shape at
+            B=256, context 2048, ~82 GiB), and the pool-size component takes the largest pool
+            (4x, 3x, 2x) that fits.
   serving   experiments.serve_benchmark's engine benchmark (base vs all-token LoRA vs PreFT-LoRA vs PreFT-ReFT)
             on the Llama-3.1-8B shape, 64 and 512 adapters, adapter backend `auto`; base end to end
             against its roofline.
@@ -34,7 +39,9 @@ nothing):
             prefill ReFT (Pallas vs xla ragged_dot), for 1, 64 and 512 adapters.
 
 It runs on whatever jax the machine has (the H200 lease: its own jax 0.11.x and flax; a carried
-flax does not import there) and says which versions it ran.
+flax does not import there) and says which versions it ran. It owns the device: unless the caller
+sets XLA_PYTHON_CLIENT_MEM_FRACTION, XLA's allocator takes 90% of the device's memory (vLLM's
+gpu_memory_utilization default), not jax's 75%; the header says which, and how many GiB that is.
 """
 from __future__ import annotations
 
@@ -70,6 +77,9 @@ MODELS = {"qwen2.5-0.5b": QWEN_05B, "llama-3.1-8b": LLAMA_8B}
 SECTIONS = ("roofline", "serving", "training", "kernels", "timing")
 DEFAULT_SECTIONS = "roofline,serving,training"
 SHARE = {"roofline": 0.45, "serving": 0.25, "training": 0.30, "kernels": 0.5, "timing": 0.5}   # of the budget
+# XLA's GPU allocator takes 75% of the device's memory by default; this run, which owns the device,
+# takes 90% (vLLM's default gpu_memory_utilization) unless the caller chose (the header says which).
+MEM_FRACTION_ENV, MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90"
 MARK_BEGIN, MARK_END = "<!-- device_check:latest -->", "<!-- /device_check:latest -->"
 TOL = {"float32": 1e-2, "bfloat16": 3e-2}   # max |err| / max |ref|; f32 matmuls may run as TF32 on GPUs
 
@@ -90,6 +100,7 @@ class Plan:
     serving_counts: tuple            # serving: numbers of adapters
     roofline: dict                   # see roofline_section
     training: dict                   # see training_section
+    memory_limit: int | None = None  # bytes of device memory the cases are planned against (None: unchecked)
 
 
 def make_plan(tiny: bool, models: list[str] | None, adapters: list[int] | None) -> Plan:
@@ -466,6 +477,7 @@ def _roofline_args(plan: Plan, model: str):
     a = rf.parser().parse_args(["--model", model, "--dtype", r["dtype"]])
     a.rounds, a.round_s, a.max_kv_gb = r["rounds"], r["round_s"], r["max_kv_gb"]
     a.prefill_rows, a.adapters, a.multi_steps = r["prefill_rows"], r["adapters"], r["multi"]
+    a.memory_limit = plan.memory_limit                  # cases that would not fit the device are skipped
     return a
 
 
@@ -526,6 +538,10 @@ def roofline_section(plan: Plan, rep: Report):
     def components():
         nonlocal comps, trace
         run, shape = runner(head_model)
+        why = rf.over_memory(rf.decode_need(run, *r["components"], dtype), plan.memory_limit)
+        if why:
+            notes.append(f"components of decode B={r['components'][0]} context {r['components'][1]}: {why}")
+            return
         comps = rf.component_rows(run, shape, dtype, r["components"], _roofline_args(plan, head_model), log,
                                   deadline=rep.section_deadline)
         trace = rf.trace_ops(run, dtype, r["components"])
@@ -602,6 +618,8 @@ def main(argv=None) -> int:
                     help="adapter backend of the serving section")
     ap.add_argument("--no-cache", action="store_true", help="no persistent compilation cache")
     args = ap.parse_args(argv)
+    fraction_chosen = MEM_FRACTION_ENV in os.environ
+    os.environ.setdefault(MEM_FRACTION_ENV, MEM_FRACTION)     # read when the GPU backend starts: next line
     platform = jax.default_backend()
     tiny = args.tiny or platform == "cpu"
     sections = (args.sections or DEFAULT_SECTIONS).split(",")
@@ -618,9 +636,9 @@ def main(argv=None) -> int:
     plan = make_plan(tiny, args.models.split(",") if args.models else None,
                      [int(n) for n in args.adapters.split(",")] if args.adapters else None)
     rep = Report(pathlib.Path(args.out), args.budget_s or (600.0 if tiny else 330.0))
-    rep.plan = plan
     from benchmarks import roofline as rf
     rep.hardware = rf.hardware(jnp.float32 if tiny else jnp.bfloat16)
+    plan = rep.plan = dataclasses.replace(plan, memory_limit=rep.hardware.memory)
     dev = jax.devices()[0]
     rep.header = [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
                   f"- device: {dev.platform} / {getattr(dev, 'device_kind', '?')} x {jax.device_count()}; "
@@ -629,7 +647,9 @@ def main(argv=None) -> int:
                   f"- mode: {'tiny shapes, Pallas interpret mode (a smoke run, not a measurement)' if tiny else 'full shapes, compiled kernels'}",
                   f"- adapter backend `auto` resolves to `{resolve_backend('auto', platform)}` here; Pallas kernels "
                   f"{'lower' if pallas_lowers_on(platform) else 'do not lower'} on {platform}",
-                  f"- {rep.hardware.line()}",
+                  f"- {rep.hardware.line()}" + ("" if rep.hardware.memory is None else
+                                                 f" ({MEM_FRACTION_ENV}={os.environ[MEM_FRACTION_ENV]}"
+                                                 f"{'' if fraction_chosen else ', set by this script'})"),
                   f"- compilation cache: {cache or 'off'}"]
     print("\n".join(rep.header), flush=True)
     runs = {"kernels": lambda: kernel_checks(plan, rep, platform), "timing": lambda: timing(plan, rep, platform),

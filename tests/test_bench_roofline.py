@@ -39,3 +39,85 @@ def test_roofline_tiny_smoke():
     text = "\n".join(rf.report(args, res))
     assert "tiny f32 decode B=4 context 64:" in text and "% of memory bound" in text
     assert "| host time between device calls" in text
+
+
+@pytest.mark.parametrize("kind, key, figures", [
+    ("NVIDIA H100 80GB HBM3", "H100", (3.35e12, 989e12)),        # SXM
+    ("NVIDIA H100 PCIe", "H100 PCIe", (2.0e12, 756e12)),
+    ("NVIDIA H100 NVL", "H100 NVL", (3.9e12, 835e12)),
+    ("NVIDIA H200", "H200", (4.8e12, 989e12)),
+    ("NVIDIA H200 NVL", "H200 NVL", (4.8e12, 835e12)),
+    ("NVIDIA GH200 480GB", "GH200", (4.0e12, 989e12)),          # contains "H200", is not one
+    ("TPU v5 lite", "TPU v5 lite", (819e9, 197e12)),
+])
+def test_stated_hardware_takes_the_most_specific_kind(kind, key, figures):
+    from benchmarks import cost_model as cm
+    assert cm.stated_hardware(kind) == (key, figures)
+
+
+def test_stated_hardware_unknown_kind_is_none():
+    from benchmarks import cost_model as cm
+    assert cm.stated_hardware("cpu") is None and cm.stated_hardware("NVIDIA A100-SXM4-80GB") is None
+
+
+@pytest.mark.parametrize("rows, context, steps, factor", [(3, 20, 1, 1), (2, 47, 4, 1), (4, 16, 1, 3)])
+def test_decode_need_counts_the_arrays_a_case_allocates(rows, context, steps, factor):
+    """decode_need's weights and KV pool against the arrays themselves: the model's state and the pool
+    `decode_inputs` builds for the case (which is filled, not zero)."""
+    runner, _ = rf.build("tiny", np.float32)
+    need = rf.decode_need(runner, rows, context, np.float32, factor, steps)
+    assert need["weights"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.state))
+    _, batch, cache = rf.decode_inputs(runner.cfg, rows, context, np.float32, pool_factor=factor, steps=steps)
+    assert need["KV pool"] == cache.k.nbytes + cache.v.nbytes
+    assert batch.block_tables.shape[0] == rows and int(batch.block_tables.max()) < cache.num_blocks
+    assert np.all(np.asarray(cache.k) == np.float32(0.1)) and np.all(np.asarray(cache.v) == np.float32(0.1))
+    assert need["logits"] == 2 * rows * steps * runner.cfg.vocab_size * 4
+    assert need["total"] == need["weights"] + need["KV pool"] + need["logits"] + rf.HEADROOM
+    assert rf.over_memory(need, None) is None and rf.over_memory(need, need["total"]) is None
+    why = rf.over_memory(need, need["total"] - 1)
+    assert why.startswith(f"needs ~{need['total'] / rf.GiB:.1f} GiB (weights ") and "KV pool" in why
+    assert why.endswith(f"> the device's {(need['total'] - 1) / rf.GiB:.1f} GiB")
+
+
+def test_cases_over_the_device_memory_are_skipped_with_the_reason():
+    """decode_rows measures the cases that fit `memory_limit` and names the others; the component
+    pool-size case takes the largest pool that fits (4x, 3x, 2x), none below 2x."""
+    runner, shape = rf.build("tiny", np.float32)
+    args = rf.finish_args(rf.parser().parse_args(["--model", "tiny", "--dtype", "f32", "--rounds", "1",
+                                                  "--round-s", "0.01"]))
+    small, large = rf.decode_need(runner, 2, 16, np.float32), rf.decode_need(runner, 8, 256, np.float32)
+    assert small["total"] < large["total"]
+    args.memory_limit = small["total"]
+    rows, skipped = rf.decode_rows(runner, shape, np.float32, [(2, 16, 0), (8, 256, 0)], args, lambda s: None)
+    assert [(r.batch, r.context) for r in rows] == [(2, 16)]
+    assert skipped == [f"decode B=8 context 256: {rf.over_memory(large, small['total'])}"]
+    need = {f: rf.decode_need(runner, 8, 256, np.float32, f)["total"] for f in (2, 3, 4)}
+    assert rf.pool_factor(runner, 8, 256, np.float32, None) == 4
+    assert rf.pool_factor(runner, 8, 256, np.float32, need[4]) == 4
+    assert rf.pool_factor(runner, 8, 256, np.float32, need[4] - 1) == 3
+    assert rf.pool_factor(runner, 8, 256, np.float32, need[3] - 1) == 2
+    assert rf.pool_factor(runner, 8, 256, np.float32, need[2] - 1) is None
+
+
+def test_components_pool_case_fits_the_memory_and_may_fail_alone(monkeypatch):
+    """The pool-size component takes the largest pool that fits; when it alone fails (out of memory on
+    a device: a step that copies the pool) the other components stand and its row names the failure;
+    when another case fails, the ablation is not reported at all."""
+    runner, shape = rf.build("tiny", np.float32)
+    args = rf.finish_args(rf.parser().parse_args(["--model", "tiny", "--dtype", "f32", "--rounds", "1",
+                                                  "--round-s", "0.01", "--multi-steps", "2"]))
+    args.memory_limit = rf.decode_need(runner, 2, 32, np.float32, 3)["total"] - 1     # 2x fits, 3x does not
+    setup = rf.DecodeLoop.setup
+
+    def failing(self, what):
+        if what(self):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        setup(self)
+    monkeypatch.setattr(rf.DecodeLoop, "setup", lambda self: failing(self, lambda s: s.args[3] > 1))
+    comps = rf.component_rows(runner, shape, np.float32, (2, 32), args, lambda s: None)
+    assert [c.label for c in comps][-1] == "pool 2x larger (same live context) - step"
+    assert comps[-1].note.startswith("step, pool 2x larger: FAIL RuntimeError: RESOURCE_EXHAUSTED")
+    assert all(np.isfinite(c.t) for c in comps[:-1]) and len(comps) == 9
+    monkeypatch.setattr(rf.DecodeLoop, "setup", lambda self: failing(self, lambda s: s.sync))
+    with pytest.raises(RuntimeError, match="decode components: step, host reads each step's tokens: FAIL"):
+        rf.component_rows(runner, shape, np.float32, (2, 32), args, lambda s: None)
