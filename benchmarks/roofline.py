@@ -335,8 +335,9 @@ def _kv_bytes(cfg, rows, context, dtype, pool_factor=1) -> int:
 
 
 def resident_bytes(runner) -> int:
-    """The model's weights on the device (every array of its state)."""
-    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(runner.state))
+    """The model's weights on the device (every array of its state; a flax that keeps its
+    Variables as leaves: their values)."""
+    return sum(int(getattr(getattr(x, "value", x), "nbytes", 0)) for x in jax.tree.leaves(runner.state))
 
 
 def decode_need(runner, rows: int, context: int, dtype, pool_factor: int = 1, steps: int = 1,

@@ -51,10 +51,19 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-import qwix
-from qwix import QArray
 
 from preft_jax.config import QUANT_MODES
+
+try:
+    import qwix
+    from qwix import QArray
+    QWIX_MISSING: str | None = None
+except ImportError as _e:           # e.g. an accelerator image with jax and flax but not qwix: the
+    qwix = None                     # float model needs none of it; quantizing says what is missing
+    QWIX_MISSING = f"{type(_e).__name__}: {_e}"
+
+    class QArray:                   # noqa: D101 - no array is one where qwix is absent
+        pass
 QTYPES = {"int8": jnp.int8, "int4": jnp.int4}
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")     # [L, d_in, d_out] each
 EMBEDDINGS = ("embed", "lm_head")                                        # [V, d] and [d, V]
@@ -108,12 +117,25 @@ class QuantConfig:
                          f"{sorted(dims)}; pass QuantConfig(group_size=...)")
 
 
+class QwixMissingError(ImportError, ValueError):
+    """Quantization asked for where qwix does not import: an ImportError, and a ValueError so the
+    CLIs' usage-error path (`error: ...`, exit status 2) reports it in one line."""
+
+
+def require_qwix() -> None:
+    """Raises QwixMissingError naming qwix when it is not installed (only quantizing needs it)."""
+    if qwix is None:
+        raise QwixMissingError(f"quantized base weights need qwix (pip install 'qwix==0.1.8'), which does not "
+                          f"import here ({QWIX_MISSING}); the float model does not need it")
+
+
 # ---------------------------------------------------------------------------------- one array
 def quantize_weight(w, mode: str, group_size: int | None = None, dtype=None) -> QArray:
     """A projection weight [..., d_in, d_out] (leading axes, e.g. layers, each get their own scales)
     -> QArray: int8 symmetric, one scale per output channel; int4 asymmetric, one scale and zero
     point per `group_size` inputs of each output channel. Scales are computed in float32 and stored
     in `dtype` (default: w's dtype)."""
+    require_qwix()
     w = jnp.asarray(w)
     dtype = w.dtype if dtype is None else jnp.dtype(dtype)
     axes = tuple(a for a in range(w.ndim) if a != w.ndim - 2)
@@ -132,6 +154,7 @@ def quantize_weight(w, mode: str, group_size: int | None = None, dtype=None) -> 
 def quantize_rows(table, dtype=None) -> QArray:
     """An embedding table [V, d] -> int8 QArray with one scale per row (per vocabulary entry); its
     transpose is the tied LM head quantized per output channel."""
+    require_qwix()
     t = jnp.asarray(table)
     dtype = t.dtype if dtype is None else jnp.dtype(dtype)
     q = qwix.quantize(t.astype(jnp.float32), jnp.int8, channelwise_axes=(0,))
@@ -141,6 +164,7 @@ def quantize_rows(table, dtype=None) -> QArray:
 def from_blocks(values: np.ndarray, scales: np.ndarray, mode: str, dtype) -> QArray:
     """A QArray from integer values [..., n, m] and per-block scales [..., n / block, m] (e.g. GGUF
     Q8_0 / Q4_0 blocks, `read_direct`): w = values * scale of the value's block."""
+    require_qwix()
     return QArray(jnp.asarray(values, jnp.int8).astype(QTYPES[mode]), jnp.asarray(scales, jnp.float32).astype(dtype),
                   qtype=QTYPES[mode])
 
@@ -174,6 +198,7 @@ def quantize_params(cfg, params: dict, config, dtype=jnp.float32, direct: dict |
     qc = QuantConfig.parse(config)
     if qc is None:
         return params
+    require_qwix()
     dtype = jnp.dtype(dtype)
     group = qc.group_for(cfg)
     out = dict(params)
@@ -254,6 +279,6 @@ def component_axes(value, axes: tuple) -> dict[str, tuple] | None:
     return out
 
 
-__all__ = ["QUANT_MODES", "QuantConfig", "quantize_weight", "quantize_rows", "quantize_params", "dequantize_params",
+__all__ = ["QUANT_MODES", "QWIX_MISSING", "QwixMissingError", "require_qwix", "QuantConfig", "quantize_weight", "quantize_rows", "quantize_params", "dequantize_params",
            "dequantize", "is_quantized", "model_quantization", "direct_types", "einsum", "take", "component_axes",
            "from_blocks", "QArray"]
