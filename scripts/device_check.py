@@ -49,6 +49,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gc
 import os
 import pathlib
 import platform as pyplatform
@@ -673,6 +674,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             lines = [f"FAIL: {_err(e)}"]
         rep.section(title, time.perf_counter() - t0, lines)
+        gc.collect()          # a section's models, engines and pools (reference cycles too) leave the device
     failed = any("FAIL" in line for _, _, lines in rep.sections for line in lines)
     print(f"\nwrote {rep.out} in {time.perf_counter() - rep.t0:.0f} s; {'FAILURES' if failed else 'all checks passed'}")
     return 1 if failed else 0
