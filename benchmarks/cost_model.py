@@ -9,8 +9,8 @@ the throughput ratio it predicts on one H200.
 Hardware figures (`HARDWARE`, looked up by `stated_hardware`): NVIDIA H200 SXM, 4.8 TB/s HBM3e and
 989 TFLOP/s dense bf16 (1,979 with 2:4 sparsity), from NVIDIA's H200 product brief / datasheet (H200
 NVL: 4.8 TB/s, 835 TFLOP/s); H100 SXM 3.35 TB/s and 989 TFLOP/s dense bf16, H100 PCIe 2.0 TB/s and
-756, H100 NVL 3.9 TB/s and 835 (H100 datasheet); GH200 (its 96 GB HBM3 part) 4.0 TB/s and 989. TPU
-v5e 819 GB/s, 197 TFLOP/s bf16 (Google Cloud TPU docs).
+756, H100 NVL 3.9 TB/s and 835 (H100 datasheet); GH200 4.9 TB/s (144 GB HBM3e) and 989, its 96 GB
+HBM3 part ("GH200 480GB") 4.0 TB/s. TPU v5e 819 GB/s, 197 TFLOP/s bf16 (Google Cloud TPU docs).
 
 One decode step = one new token for each of B concurrent sequences, every sequence on a different
 adapter (B distinct adapters in the batch, i.e. N >= B adapters served). Per step it reads:
@@ -104,7 +104,8 @@ MODEL_NAMES = {"tiny": "tiny", "smollm2-135m": "SmolLM2-135M", "qwen2.5-0.5b": "
 
 # Stated peak figures per device kind (a substring of jax's device_kind, the longest that matches:
 # "NVIDIA H100 PCIe" is not an SXM part, "NVIDIA GH200 480GB" not an H200): (HBM bytes/s, dense bf16 FLOP/s).
-HARDWARE = {"H200": (4.8e12, 989e12), "H200 NVL": (4.8e12, 835e12), "GH200": (4.0e12, 989e12),
+HARDWARE = {"H200": (4.8e12, 989e12), "H200 NVL": (4.8e12, 835e12), "GH200": (4.9e12, 989e12),
+            "GH200 480GB": (4.0e12, 989e12),
             "H100": (3.35e12, 989e12), "H100 PCIe": (2.0e12, 756e12), "H100 NVL": (3.9e12, 835e12),
             "TPU v5 lite": (819e9, 197e12)}
 

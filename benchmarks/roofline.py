@@ -22,7 +22,11 @@ and min-max over rounds):
   alone), the layer stack at context 0 (what is left: projections, MLP, norms), the host time
   between device calls (a paged_step loop vs `paged_decode_steps`: N steps in one call), the
   round trip when the host waits for each step, and pool-size sensitivity (the same live context
-  in a pool 4x larger: a step that copies the pool gets slower);
+  in a pool 4x larger, or 3x or 2x where 4x does not fit the device: a step that copies the pool
+  gets slower, or runs out of memory, which its row then says);
+* memory: each decode case's need (`decode_need`) is checked against the device's memory
+  (`device_memory`, `--device-memory-gib`; not on CPU) before it allocates: one that cannot fit is
+  listed as skipped with its need;
 * `--trace`: one decode call of the component case under jax.profiler, its ops by device time.
 
 Bounds (`benchmarks.cost_model`, analytic): bytes = weights read once + KV read (B x (context + 1)
@@ -261,7 +265,19 @@ def time_round_robin(cases: dict, rounds: int, round_s: float, log=print, max_it
     all cases need not fit at once; the first call of each compiles and sizes `iters` (untimed). A
     case whose first calls raise is dropped (with `failed` given: listed there, else re-raised); no
     round starts after `deadline` (time.perf_counter())."""
-    iters = {}
+    iters, out = {}, {}
+
+    def drop(name, e):
+        """A case that raised (first calls or a later round, e.g. out of memory): listed in `failed`
+        as '<name>: FAIL <error>' and left out, its earlier rounds too."""
+        if failed is None:
+            raise e
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        failed.append(f"{name}: FAIL {type(e).__name__}: {msg}")
+        log(f"  FAIL {name}: {type(e).__name__}: {msg}")
+        del cases[name]
+        out.pop(name, None)
+
     for name, case in list(cases.items()):
         try:
             case.setup()
@@ -272,29 +288,28 @@ def time_round_robin(cases: dict, rounds: int, round_s: float, log=print, max_it
             n = case(1)
             one = (time.perf_counter() - t0) / n
         except Exception as e:               # noqa: BLE001  (a variant that does not run here)
-            if failed is None:
-                raise
-            msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            failed.append(f"{name}: FAIL {type(e).__name__}: {msg}")
-            log(f"  FAIL {name}: {type(e).__name__}: {msg}")
-            del cases[name]
+            drop(name, e)
             continue
         finally:
             case.teardown()
         iters[name] = int(min(max_iters, max(1, round_s / max(one, 1e-6))))
+        out[name] = []
         log(f"  warm {name}: first call {t_first:.2f} s, then {one * 1e3:.2f} ms; {iters[name]} per round")
-    out = {k: [] for k in cases}
     for r in range(rounds):
         if r and deadline is not None and time.perf_counter() > deadline:
             log(f"  deadline: {r} rounds")
             break
-        for name, case in cases.items():
-            case.setup()
-            case(1)                                             # untimed: re-touch after setup
-            t0 = time.perf_counter()
-            n = case(iters[name])
-            out[name].append((time.perf_counter() - t0) / n)
-            case.teardown()
+        for name, case in list(cases.items()):
+            try:
+                case.setup()
+                case(1)                                         # untimed: re-touch after setup
+                t0 = time.perf_counter()
+                n = case(iters[name])
+                out[name].append((time.perf_counter() - t0) / n)
+            except Exception as e:           # noqa: BLE001
+                drop(name, e)
+            finally:
+                case.teardown()
     return out
 
 
@@ -551,6 +566,10 @@ def component_rows(runner, shape, dtype, case, args, log, deadline: float | None
     lost = [f for f in failed if not f.startswith(f"{larger}:")]
     if lost:                                  # the ablation needs every other case
         raise RuntimeError(f"decode components: {lost[0]}")
+    # the larger pool alone may not run (out of memory: a step that copies the pool): an outcome
+    # this row reports, not a failure of the run
+    pool_note = (f"did not run: {failed[0].split(': FAIL ', 1)[-1]}" if failed else
+                 "~0 when the step moves the live context's bytes, not the pool's")
 
     def diff(a, *bs):
         """Per-round paired difference a - sum(bs) (the variants of one round ran back to back)."""
@@ -575,10 +594,9 @@ def component_rows(runner, shape, dtype, case, args, log, deadline: float | None
             diff("step", multi), note="dispatch and Python per call, not overlapped with the device"),
         Row("component", "host round trip (step reading its tokens - step)",
             diff("step, host reads each step's tokens", "step")),
-    ] + ([] if not factor else   # the larger pool alone may fail (out of memory: a step that copies it)
+    ] + ([] if not factor else
          [Row("component", f"pool {factor}x larger (same live context) - step",
-              [float("nan")] if failed else diff(larger, "step"),
-              note=failed[0] if failed else "~0 when the step moves the live context's bytes, not the pool's")])
+              [float("nan")] if failed else diff(larger, "step"), note=pool_note)])
 
 
 def trace_ops(runner, dtype, case, steps: int = 5, top: int = 12) -> list[str]:
@@ -675,7 +693,7 @@ def run(args, log=print) -> dict:
     dtype_name = "bf16" if dtype == jnp.bfloat16 else "f32"
     hw = hardware(dtype, args.bandwidth and args.bandwidth * 1e9, args.peak and args.peak * 1e12,
                   measure=not args.no_measure)
-    args.memory_limit = int(args.device_memory_gb * GiB) if args.device_memory_gb else hw.memory
+    args.memory_limit = int(args.device_memory_gib * GiB) if args.device_memory_gib else hw.memory
     log(f"# {hw.line()}")
     t0 = time.perf_counter()
     runner, shape = build(args.model, dtype)
@@ -761,7 +779,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-measure", action="store_true", help="skip the stream-copy / matmul measurement")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--round-s", type=float, default=0.5, help="seconds of calls per variant per round")
-    ap.add_argument("--device-memory-gb", type=float, default=None, help="plan the decode cases against this many "
+    ap.add_argument("--device-memory-gib", type=float, default=None, help="plan the decode cases against this many "
                     "GiB of device memory (default: what jax reports for the device; none on CPU)")
     ap.add_argument("--max-kv-gb", type=float, default=None, help="skip decode cases whose KV pool is larger "
                     "(default 1.5 on CPU, 80 elsewhere)")

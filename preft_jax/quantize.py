@@ -58,8 +58,9 @@ try:
     import qwix
     from qwix import QArray
     QWIX_MISSING: str | None = None
-except ImportError as _e:           # e.g. an accelerator image with jax and flax but not qwix: the
-    qwix = None                     # float model needs none of it; quantizing says what is missing
+except Exception as _e:            # noqa: BLE001 - not installed (an accelerator image with jax and flax,
+    qwix = None                     # not qwix), or one that breaks on this jax / flax: the float model
+                                    # needs none of it; quantizing says what is missing
     QWIX_MISSING = f"{type(_e).__name__}: {_e}"
 
     class QArray:                   # noqa: D101 - no array is one where qwix is absent

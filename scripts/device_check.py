@@ -3,7 +3,7 @@ whether the kernels are right there, what PreFT buys when serving at the paper's
 markdown report into docs/device_check.md (between its `device_check:latest` markers; the earlier
 runs below them are kept).
 
-    python scripts/device_check.py                     # the prepared run: roofline,serving,training, < 6 min on one H200 or H100
+    python scripts/device_check.py                     # the prepared run: roofline,serving,training, within its 330 s budget
     python scripts/device_check.py --dry-run           # the same sections at tiny shapes (CPU, interpret mode)
     python scripts/device_check.py --sections kernels,timing    # the kernel checks of the first lease
 
@@ -499,6 +499,7 @@ def roofline_section(plan: Plan, rep: Report):
     def runner(model):
         if model not in runners:
             runners.clear()                           # one model on the device at a time
+            gc.collect()                              # (its arrays may sit in reference cycles)
             t0 = time.perf_counter()
             runners[model] = rf.build(model, dtype)
             log(f"  built {model} in {time.perf_counter() - t0:.1f} s")
@@ -559,6 +560,7 @@ def roofline_section(plan: Plan, rep: Report):
             traceback.print_exc()
             notes.append(f"{what}: FAIL {_err(e)}")
     runners.clear()
+    gc.collect()
     lines += rf.table(rows, hw)
     if comps:
         B, ctx = r["components"]
@@ -597,7 +599,7 @@ def training_section(plan: Plan, rep: Report):
 def versions() -> str:
     import importlib.metadata as md
     out = [f"python {pyplatform.python_version()}"]
-    for pkg in ("jax", "jaxlib", "flax", "optax"):
+    for pkg in ("jax", "jaxlib", "flax", "optax", "qwix"):
         try:
             out.append(f"{pkg} {md.version(pkg)}")
         except md.PackageNotFoundError:

@@ -47,7 +47,8 @@ def test_roofline_tiny_smoke():
     ("NVIDIA H100 NVL", "H100 NVL", (3.9e12, 835e12)),
     ("NVIDIA H200", "H200", (4.8e12, 989e12)),
     ("NVIDIA H200 NVL", "H200 NVL", (4.8e12, 835e12)),
-    ("NVIDIA GH200 480GB", "GH200", (4.0e12, 989e12)),          # contains "H200", is not one
+    ("NVIDIA GH200 480GB", "GH200 480GB", (4.0e12, 989e12)),    # contains "H200", is not one (96 GB HBM3)
+    ("NVIDIA GH200 144G HBM3e", "GH200", (4.9e12, 989e12)),
     ("TPU v5 lite", "TPU v5 lite", (819e9, 197e12)),
 ])
 def test_stated_hardware_takes_the_most_specific_kind(kind, key, figures):
@@ -60,7 +61,8 @@ def test_stated_hardware_unknown_kind_is_none():
     assert cm.stated_hardware("cpu") is None and cm.stated_hardware("NVIDIA A100-SXM4-80GB") is None
 
 
-@pytest.mark.parametrize("rows, context, steps, factor", [(3, 20, 1, 1), (2, 47, 4, 1), (4, 16, 1, 3)])
+@pytest.mark.parametrize("rows, context, steps, factor", [(3, 20, 1, 1), (2, 47, 4, 1), (4, 16, 1, 3),
+                                                          (2, 15, 1, 1), (2, 44, 4, 2)])     # context + steps = 16, 48
 def test_decode_need_counts_the_arrays_a_case_allocates(rows, context, steps, factor):
     """decode_need's weights and KV pool against the arrays themselves: the model's state and the pool
     `decode_inputs` builds for the case (which is filled, not zero)."""
@@ -116,8 +118,52 @@ def test_components_pool_case_fits_the_memory_and_may_fail_alone(monkeypatch):
     monkeypatch.setattr(rf.DecodeLoop, "setup", lambda self: failing(self, lambda s: s.args[3] > 1))
     comps = rf.component_rows(runner, shape, np.float32, (2, 32), args, lambda s: None)
     assert [c.label for c in comps][-1] == "pool 2x larger (same live context) - step"
-    assert comps[-1].note.startswith("step, pool 2x larger: FAIL RuntimeError: RESOURCE_EXHAUSTED")
+    assert comps[-1].note.startswith("did not run: RuntimeError: RESOURCE_EXHAUSTED")
+    assert "FAIL" not in comps[-1].note                  # an outcome the row reports (device_check's FAIL scan)
     assert all(np.isfinite(c.t) for c in comps[:-1]) and len(comps) == 9
     monkeypatch.setattr(rf.DecodeLoop, "setup", lambda self: failing(self, lambda s: s.sync))
     with pytest.raises(RuntimeError, match="decode components: step, host reads each step's tokens: FAIL"):
         rf.component_rows(runner, shape, np.float32, (2, 32), args, lambda s: None)
+
+
+def test_a_case_failing_in_a_later_round_is_dropped_alone():
+    """time_round_robin: a case that passes its first calls and raises in a timed round (a device
+    running out of memory later) is listed in `failed` and left out, rounds done included; the
+    others keep every round."""
+    class Case:
+        def __init__(self, fail_at=None):
+            self.calls, self.fail_at = 0, fail_at
+
+        def setup(self):
+            pass
+
+        def teardown(self):
+            pass
+
+        def __call__(self, iters):
+            self.calls += 1
+            if self.fail_at is not None and self.calls >= self.fail_at:
+                raise MemoryError("out of memory in round 2")
+            return iters
+    cases = {"ok": Case(), "late": Case(fail_at=5)}            # 2 warm-up calls, then 2 per round
+    failed = []
+    times = rf.time_round_robin(cases, 3, 0.0, lambda s: None, max_iters=1, failed=failed)
+    assert list(times) == ["ok"] and len(times["ok"]) == 3 and list(cases) == ["ok"]
+    assert failed == ["late: FAIL MemoryError: out of memory in round 2"]
+    with pytest.raises(MemoryError):
+        rf.time_round_robin({"late": Case(fail_at=5)}, 3, 0.0, lambda s: None, max_iters=1)
+
+
+def test_run_skips_what_the_device_memory_cannot_hold():
+    """run() with --device-memory-gib below every case's need: the decode cases, the components and
+    the trace are listed as skipped with their needs, nothing is measured or allocated for them."""
+    args = rf.finish_args(rf.parser().parse_args(
+        ["--model", "tiny", "--dtype", "f32", "--batches", "2", "--contexts", "16", "--prefill", "",
+         "--no-engine", "--no-cost-check", "--component-case", "2,16", "--trace", "--rounds", "1",
+         "--round-s", "0.01", "--no-measure", "--bandwidth", "10", "--peak", "1", "--device-memory-gib", "0.5"]))
+    res = rf.run(args, log=lambda s: None)
+    assert args.memory_limit == rf.GiB // 2
+    assert res["rows"] == [] and res["components"] == [] and res["trace"] == []
+    runner, _ = rf.build("tiny", np.float32)
+    why = rf.over_memory(rf.decode_need(runner, 2, 16, np.float32), rf.GiB // 2)
+    assert res["skipped"] == [f"decode B=2 context 16: {why}", f"components and trace of decode B=2 context 16: {why}"]

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import qwix
+
+qwix = pytest.importorskip("qwix")     # quantizing needs it; the float model does not (test_without_qwix.py)
 
 from adapter_factory import random_lora, random_reft
 from fake_devices import run_on_fake_devices

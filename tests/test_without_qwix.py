@@ -1,7 +1,8 @@
 """Where qwix does not import (the accelerator image: jax, flax, optax, orbax-checkpoint and
-prometheus_client, no qwix; docs/device_check.md): the float model, the engine, the trainers and
-the device check's modules import and compute what they compute with qwix, and asking for
-quantized weights is one error naming qwix (the CLIs: `error: ...`, exit status 2)."""
+prometheus_client, no qwix; docs/device_check.md): scripts/device_check.py and the modules its
+sections use import; the float model computes what it computes with qwix, and the engine serves the
+same tokens; asking for quantized weights is one error naming qwix (the CLIs: `error: ...`, exit
+status 2)."""
 import json
 import os
 import pathlib
@@ -17,8 +18,13 @@ HIDE = 'raise ImportError("No module named \'qwix\' (hidden by tests/test_withou
 SCRIPT = r"""
 import json, sys
 import jax.numpy as jnp, numpy as np
-import serve.engine, serve.registry, train.sft, train.grpo                      # the device check's imports
-import benchmarks.roofline, benchmarks.train_mfu, experiments.serve_benchmark
+import importlib.util
+spec = importlib.util.spec_from_file_location("device_check", "scripts/device_check.py")
+sys.modules["device_check"] = dc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(dc)                                                    # and what it imports
+import train.sft, train.grpo, benchmarks.roofline, benchmarks.train_mfu, experiments.serve_benchmark
+from serve.engine import Engine, EngineConfig
+from serve.registry import AdapterRegistry
 from preft_jax import quantize
 from preft_jax.config import tiny_config
 from preft_jax.generation import ModelRunner, sequence_logits
@@ -31,13 +37,17 @@ params = random_params(cfg, seed=3)
 r = ModelRunner(Llama.from_params(cfg, params))
 tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
 logits = np.asarray(sequence_logits(r.graphdef, r.state, tokens, jnp.asarray([3, 9], jnp.int32)))
-out = [g.tokens for g in r.generate([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=6, stop_token_ids=(-1,)))]
+sp = SamplingParams(max_new_tokens=6, stop_token_ids=(-1,))
+out = [g.tokens for g in r.generate([[5, 6, 7], [9, 10]], sp)]
+eng = Engine(r, AdapterRegistry(cfg, 0), EngineConfig(max_num_seqs=2, max_model_len=32))
+served = [list(x.tokens) for x in eng.generate([([5, 6, 7], None, sp), ([9, 10], None, sp)])]
 try:
     quantize.quantize_params(cfg, params, "int8")
     err = None
 except ValueError as e:                                  # the CLIs' usage-error path catches ValueError
     err = [type(e).__name__, isinstance(e, ImportError), str(e)]
-print(json.dumps({"logits": logits.tolist(), "tokens": out, "error": err, "missing": quantize.QWIX_MISSING}))
+print(json.dumps({"logits": logits.tolist(), "tokens": out, "served": served, "error": err,
+                  "missing": quantize.QWIX_MISSING}))
 """
 
 
@@ -49,7 +59,7 @@ def _env(tmp_path) -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(p for p in path if p)}
 
 
-def test_float_model_engine_and_trainers_work_without_qwix(tmp_path):
+def test_float_model_and_engine_work_without_qwix(tmp_path):
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -67,8 +77,9 @@ def test_float_model_engine_and_trainers_work_without_qwix(tmp_path):
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     want = np.asarray(sequence_logits(run.graphdef, run.state, tokens, jnp.asarray([3, 9], jnp.int32)))
     np.testing.assert_array_equal(np.asarray(got["logits"], np.float32), want)
-    assert got["tokens"] == [g.tokens for g in run.generate([[5, 6, 7], [9, 10]],
-                                                            SamplingParams(max_new_tokens=6, stop_token_ids=(-1,)))]
+    want_tokens = [g.tokens for g in run.generate([[5, 6, 7], [9, 10]],
+                                                  SamplingParams(max_new_tokens=6, stop_token_ids=(-1,)))]
+    assert got["tokens"] == want_tokens and got["served"] == want_tokens    # the engine serves the same
     assert got["missing"] == "ImportError: No module named 'qwix' (hidden by tests/test_without_qwix.py)"
     assert got["error"] == ["QwixMissingError", True,
                             "quantized base weights need qwix (pip install 'qwix==0.1.8'), which does not import "

@@ -44,6 +44,7 @@ def quantize_model_params(cfg, params: dict, config, dtype=jnp.float32,
     default GGUF): a GGUF file's tensors already in the target layout are taken as they are."""
     if quant.QuantConfig.parse(config) is None:
         return params
+    quant.require_qwix()                  # before reading any block
     src = gguf_source(path)
     direct = {} if src is None else direct_tensors(src, cfg, config, list(params))
     return quant.quantize_params(cfg, params, config, dtype, direct=direct)
