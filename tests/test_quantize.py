@@ -4,7 +4,6 @@ dequantized float weights (same numerics up to summation order), with adapters i
 placement of qvalues and scales on 8 fake devices; QLoRA training (gradients only for the adapter,
 the loss falls); the engine and `serve generate --quantize`; GGUF Q8_0 / Q4_0 read straight into
 QArrays vs the float round trip; the quantized decode step lowers for cuda and tpu."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
