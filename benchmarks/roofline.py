@@ -383,13 +383,12 @@ def decode_rows(runner, shape, dtype, specs, args, log, deadline: float | None =
     nbytes = jnp.dtype(dtype).itemsize
     resident = resident_bytes(runner)
     for B, ctx, multi in specs:
-        kv = _kv_bytes(runner.cfg, B, ctx + max(multi, 1) - 1, dtype)
+        need = decode_need(runner, B, ctx, dtype, steps=max(multi, 1), resident=resident)
         name = f"decode B={B} context {ctx}" + (f", {multi} steps per call" if multi else "")
-        if kv > args.max_kv_gb * 1e9:
-            skipped.append(f"{name}: KV pool {kv / 1e9:.1f} GB > --max-kv-gb {args.max_kv_gb}")
+        if need["KV pool"] > args.max_kv_gb * 1e9:
+            skipped.append(f"{name}: KV pool {need['KV pool'] / 1e9:.1f} GB > --max-kv-gb {args.max_kv_gb}")
             continue
-        why = over_memory(decode_need(runner, B, ctx, dtype, steps=max(multi, 1), resident=resident),
-                          getattr(args, "memory_limit", None))
+        why = over_memory(need, getattr(args, "memory_limit", None))
         if why:
             skipped.append(f"{name}: {why}")
             continue
@@ -497,6 +496,13 @@ def engine_bound(row: Row, hw: Hardware) -> float:
 
 
 # ------------------------------------------------------------------------------- components
+def components_over_memory(runner, case, dtype, limit: int | None) -> str | None:
+    """Why the components and the trace of decode `case` (B, context) cannot run in `limit` bytes
+    (its step's `decode_need`), or None when they can."""
+    why = over_memory(decode_need(runner, *case, dtype), limit)
+    return why and f"components and trace of decode B={case[0]} context {case[1]}: {why}"
+
+
 def pool_factor(runner, rows: int, context: int, dtype, limit: int | None, factors=(4, 3, 2)) -> int | None:
     """The largest of `factors` whose decode case (pool that many times the live context's) fits
     `limit` bytes of device memory (None: no limit, the first); None when none does."""
@@ -709,10 +715,9 @@ def run(args, log=print) -> dict:
         res["rows"] += prefill_rows(runner, shape, dtype, args.prefill, args, log)
     if args.engine:
         res["rows"].append(engine_row(runner, shape, dtype, args, log))
-    why = over_memory(decode_need(runner, *args.component_case, dtype), args.memory_limit)
+    why = components_over_memory(runner, args.component_case, dtype, args.memory_limit)
     if why and (args.components or args.trace):
-        B, ctx = args.component_case
-        res["skipped"].append(f"components and trace of decode B={B} context {ctx}: {why}")
+        res["skipped"].append(why)
     else:
         if args.components:
             res["components"] = component_rows(runner, shape, dtype, args.component_case, args, log)

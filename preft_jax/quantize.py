@@ -127,7 +127,7 @@ def require_qwix() -> None:
     """Raises QwixMissingError naming qwix when it is not installed (only quantizing needs it)."""
     if qwix is None:
         raise QwixMissingError(f"quantized base weights need qwix (pip install 'qwix==0.1.8'), which does not "
-                          f"import here ({QWIX_MISSING}); the float model does not need it")
+                               f"import here ({QWIX_MISSING}); the float model does not need it")
 
 
 # ---------------------------------------------------------------------------------- one array
@@ -280,6 +280,6 @@ def component_axes(value, axes: tuple) -> dict[str, tuple] | None:
     return out
 
 
-__all__ = ["QUANT_MODES", "QWIX_MISSING", "QwixMissingError", "require_qwix", "QuantConfig", "quantize_weight", "quantize_rows", "quantize_params", "dequantize_params",
-           "dequantize", "is_quantized", "model_quantization", "direct_types", "einsum", "take", "component_axes",
+__all__ = ["QUANT_MODES", "QWIX_MISSING", "QwixMissingError", "require_qwix", "QuantConfig", "quantize_weight",
+           "quantize_rows", "quantize_params", "dequantize_params", "dequantize", "is_quantized", "model_quantization", "direct_types", "einsum", "take", "component_axes",
            "from_blocks", "QArray"]

@@ -540,9 +540,9 @@ def roofline_section(plan: Plan, rep: Report):
     def components():
         nonlocal comps, trace
         run, shape = runner(head_model)
-        why = rf.over_memory(rf.decode_need(run, *r["components"], dtype), plan.memory_limit)
+        why = rf.components_over_memory(run, r["components"], dtype, plan.memory_limit)
         if why:
-            notes.append(f"components of decode B={r['components'][0]} context {r['components'][1]}: {why}")
+            notes.append(why)
             return
         comps = rf.component_rows(run, shape, dtype, r["components"], _roofline_args(plan, head_model), log,
                                   deadline=rep.section_deadline)
