@@ -122,6 +122,8 @@ def cpu_decode(request) -> str:
 # pytest-xdist (`-n auto --dist loadfile`, pyproject.toml): the test files whose tests take the session
 # `hf_reference` fixture (the HF model converted from the GGUF, ~13 s on an idle core) form one work
 # unit, so one worker builds it instead of each. Found by reading the files, so a new such file joins.
+# A worker that runs low takes the costliest unit left (tests/file_costs.py: the files' seconds in a
+# recorded run), not xdist's next by number of tests, which left the one-test soak file for last.
 _HF_MODEL_TEST = re.compile(r"def test_\w+\([^)]*\bhf_reference\b")
 
 
@@ -136,11 +138,20 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+
+    import file_costs
     hf_files = _hf_model_files()
+    cost = file_costs.cost_of(file_costs.load())
 
     class HFGroupedFileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = super()._split_scope(nodeid)
             return "hf_reference-files" if file in hf_files else file
+
+        def _assign_work_unit(self, node) -> None:
+            units = {scope: sorted(hf_files) if scope == "hf_reference-files" else [scope]
+                     for scope in self.workqueue}
+            self.workqueue.move_to_end(file_costs.heaviest(units, cost), last=False)   # xdist pops the first
+            super()._assign_work_unit(node)
 
     return HFGroupedFileScheduling(config, log)
