@@ -149,8 +149,7 @@ def pytest_xdist_make_scheduler(config, log):
             return "hf_reference-files" if file in hf_files else file
 
         def _assign_work_unit(self, node) -> None:
-            units = {scope: sorted(hf_files) if scope == "hf_reference-files" else [scope]
-                     for scope in self.workqueue}
+            units = {scope: {nodeid.split("::")[0] for nodeid in tests} for scope, tests in self.workqueue.items()}
             self.workqueue.move_to_end(file_costs.heaviest(units, cost), last=False)   # xdist pops the first
             super()._assign_work_unit(node)
 

@@ -44,14 +44,9 @@ def cost_of(table: dict[str, float]) -> Callable[[Iterable[str]], float]:
 
 def heaviest(units: dict[str, Iterable[str]], cost: Callable[[Iterable[str]], float]) -> str:
     """The unit to hand out next: the costliest; among equal costs the first in `units`' order."""
-    best, best_cost = None, None
-    for name, files in units.items():
-        c = cost(files)
-        if best is None or c > best_cost:
-            best, best_cost = name, c
-    if best is None:
+    if not units:
         raise ValueError("no work unit left")
-    return best
+    return max(units, key=lambda name: cost(units[name]))          # max keeps the first of equals
 
 
 def from_junit(xml_path: str) -> dict[str, float]:
