@@ -24,7 +24,13 @@ computation, so hidden work still slows it. `--host-probe` adds two bare loops p
 host beside them that reads each call's output and then sleeps, or computes, for the engine's
 host-only time per call: "bare with host asleep / bare" is what that much host work costs a device
 that does not share the host's cores (an accelerator: ~1.00 when the pipelining hides it), "bare
-with host busy / bare" what it costs this CPU, whose cores the device shares. The last line is the
+with host busy / bare" what it costs this CPU, whose cores the device shares. Burst edges (medians over a
+variant's timed bursts), where no device call is in flight: "submit" (the burst's requests
+submitted) and "submit -> first call" (the step that schedules them, builds the prefill call and
+dispatches it), timed in the engine runs; "last tokens -> done" (the last call's tokens handed out
+and every request finished), timed in the host-only replay, where each output is there at once.
+"edges / bare" is their sum over the bare loop's time per burst: the share of the gap they explain.
+The last line is the
 first variant's (base, the first `--steps` value: 4 by default) median engine / bare ratio, its last
 number.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import statistics
 import sys
 import time
 
@@ -74,9 +81,11 @@ class Recorder:
     def __init__(self, engine, keep_outputs: bool = False):
         self.engine, self.calls = engine, []
         self.keep_outputs, self.outputs = keep_outputs, []
+        self.stamps = []                      # time.perf_counter() as each call was made
         engine.step_runner.add_call_hook(self)
 
     def __call__(self, call, run):
+        self.stamps.append(time.perf_counter())
         self.calls.append(call)
         out = run(call)
         if self.keep_outputs:                                   # tests: what the engine got from each call
@@ -87,7 +96,7 @@ class Recorder:
         """The recorded calls with every argument on the device (a call's host arrays moved there:
         the bare loop pays no transfer), and a fresh start."""
         from serve.step_runner import DecodeCall
-        out, self.calls = self.calls, []
+        out, self.calls, self.stamps = self.calls, [], []
         out = [dataclasses.replace(c, packed=jax.device_put(c.packed)) if isinstance(c, DecodeCall) else
                dataclasses.replace(c, **{f: jax.device_put(getattr(c, f)) for f in
                                          ("tokens", "batch", "adapter_ids", "prompt_lens", "sampling", "next_tokens",
@@ -135,10 +144,11 @@ def _hold(mode: str, seconds: float) -> None:
         pass
 
 
-def host_only(engine, calls, outputs, serve_all) -> float:
+def host_only(engine, calls, outputs, serve_all, stamps: list | None = None) -> float:
     """Host CPU seconds (`time.thread_time`) of `serve_all()` with every device call of the engine
     answered by the recorded output of the same call (`calls`, `outputs`: a `Recorder` of a run of
-    the same `serve_all()`): the engine's own work, no device computation beside it. Raises when the
+    the same `serve_all()`): the engine's own work, no device computation beside it (`stamps`: each
+    call's time.perf_counter() appended). Raises when the
     engine makes another sequence of calls than the recorded one (then the figure would be another
     workload's)."""
     runner, it = engine.step_runner, iter(zip(calls, outputs))
@@ -151,6 +161,8 @@ def host_only(engine, calls, outputs, serve_all) -> float:
             wrong.append(f"host_only: the engine made another call than the recorded one: {shape(call)} "
                          f"(kind, rows, width, steps), recorded {None if want is None else shape(want)}")
             raise RuntimeError(wrong[-1])         # the engine fails the call's requests; reported below
+        if stamps is not None:
+            stamps.append(time.perf_counter())
         return out
 
     runner._run = answer
@@ -221,20 +233,27 @@ def main(argv=None) -> int:
                 tokens = wall = 0
                 prompts = [random_prompts(args.requests, args.prompt_len, V, rep * args.bursts + b)
                            for b in range(args.bursts)]
+                front = []                                       # (submit, submit -> first call) per burst
                 cpu0 = time.thread_time()
                 for p in prompts:
+                    n0 = len(rec.stamps)
                     s = serve(eng, p, picks, args.max_tokens)
                     tokens, wall = tokens + s.tokens, wall + s.wall
+                    front.append((s.submit_s, rec.stamps[n0] - s.started - s.submit_s))
                 cpu = time.thread_time() - cpu0                  # the host thread's CPU time: all its work,
                 calls_ = list(rec.calls)                         # overlapped with the device or not
                 outputs, rec.outputs = rec.outputs, []
                 held["staged"], held["tokens"] = rec.staged(), tokens
                 calls[name] = len(held["staged"]) // args.bursts
                 jax.block_until_ready(outputs)
-                alone = host_only(eng, calls_, outputs, lambda: [serve(eng, p, picks, args.max_tokens) for p in prompts])
+                served, stamps = [], []
+                alone = host_only(eng, calls_, outputs, lambda: served.extend(serve(eng, p, picks, args.max_tokens)
+                                                                              for p in prompts), stamps)
+                per = len(stamps) // len(served)                 # the same calls per burst (host_only checks the total)
+                back = [s.started + s.wall - stamps[(i + 1) * per - 1] for i, s in enumerate(served)]
                 held["host_s"] = alone / len(held["staged"])      # the engine's host-only work per call
                 return {"tok_per_s": tokens / wall, "wall_s": wall, "calls": len(held["staged"]), "cpu_s": cpu,
-                        "host_only_s": alone}
+                        "host_only_s": alone, "front_s": front, "back_s": back}
 
             def run_bare(rep, eng=eng, held=held):
                 bare_loop(eng, held["staged"][:2])                   # untimed: touch the shapes once
@@ -266,6 +285,17 @@ def main(argv=None) -> int:
         log(f"| {name} | {calls[name]} | {spread([r['tok_per_s'] for r in e])} | {spread([r['tok_per_s'] for r in b])} "
             f"| {ratios[name]:.2f}x | {min(per):.2f}-{max(per):.2f}x | {spread(host, '{:.0f}')} | {cpu_e:.0f} / {cpu_b:.0f} "
             f"| {spread(alone, '{:.0f}')} |{probe}")
+    log("\n| variant | submit ms | submit -> first call ms | last tokens -> done ms (host-only) | edges ms "
+        "| bare loop ms per burst | edges / bare |")
+    log("|---|---:|---:|---:|---:|---:|---:|")
+    for name in ratios:
+        e, b = runs[name], runs[f"{name} (bare loop)"]
+        ms = lambda v: spread([x * 1e3 for x in v], "{:.2f}")                 # noqa: E731
+        sub, first = zip(*[x for r in e for x in r["front_s"]])
+        back = [x for r in e for x in r["back_s"]]
+        edges = statistics.median(sub) + statistics.median(first) + statistics.median(back)
+        bare = statistics.median([r["wall_s"] / args.bursts for r in b])
+        log(f"| {name} | {ms(sub)} | {ms(first)} | {ms(back)} | {edges * 1e3:.2f} | {bare * 1e3:.2f} | {edges / bare:.3f} |")
     log(f"# minimal calls for this workload: 1 prefill + {args.max_tokens - 1} decode = {args.max_tokens}")
     log(f"# total wall {time.perf_counter() - t_all:.0f} s; {args.repeats} round-robin repeats, medians (min-max)")
     write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls, "ratios": ratios})

@@ -58,6 +58,8 @@ class Served:
     mean_running: float                  # sequences running, averaged over the engine's steps
     outputs: list[list[int]]
     steps: int
+    started: float = 0.0                 # time.perf_counter() when serving began (the wall's start)
+    submit_s: float = 0.0                # seconds until every request was submitted (part of the wall)
 
     @property
     def tok_per_s(self) -> float:
@@ -72,6 +74,7 @@ def serve(engine, prompts, adapters, max_tokens, *, check_length: bool = True) -
     steps0 = engine.steps
     params = {m: SamplingParams(max_new_tokens=m, stop_token_ids=NO_STOP) for m in set(mts)}   # a client reuses them
     handles = [engine.submit(p, a, params[m]) for p, a, m in zip(prompts, adapters, mts)]
+    submitted = time.perf_counter()
     peak, running = 0, []
     while any(not h.finished for h in handles):
         engine.step()
@@ -91,7 +94,7 @@ def serve(engine, prompts, adapters, max_tokens, *, check_length: bool = True) -
     ttft = [h.first_token_at - h.submitted_at for h in handles]
     busy = [r for r in running if r]
     return Served(sum(len(o) for o in outs), wall, ttft, peak, float(np.mean(busy)) if busy else 0.0, outs,
-                  engine.steps - steps0)
+                  engine.steps - steps0, t0, submitted - t0)
 
 
 def stats(values) -> tuple[float, float, float]:

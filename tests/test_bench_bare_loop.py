@@ -70,11 +70,16 @@ def test_host_only_hands_out_the_recorded_tokens_and_refuses_another_workload(ru
     serve(eng, prompts, adapters, 2)                    # adapters resident first, as in the benchmark
     rec = Recorder(eng, keep_outputs=True)
     real = serve(eng, prompts, adapters, 9)
-    calls, outputs = list(rec.calls), list(rec.outputs)
+    calls, outputs, stamps = list(rec.calls), list(rec.outputs), list(rec.stamps)
     assert len(calls) >= 9
-    got = []
-    cpu = host_only(eng, calls, outputs, lambda: got.append(serve(eng, prompts, adapters, 9)))
+    # the burst-edge columns: submit, then the first call, ..., the last call, then the burst's end (one clock)
+    assert len(stamps) == len(calls) and stamps == sorted(stamps)
+    assert real.started < real.started + real.submit_s <= stamps[0] and stamps[-1] < real.started + real.wall
+    got, answered = [], []
+    cpu = host_only(eng, calls, outputs, lambda: got.append(serve(eng, prompts, adapters, 9)), answered)
     assert cpu > 0 and got[0].outputs == real.outputs
+    assert len(answered) == len(calls) and got[0].started + got[0].submit_s <= answered[0]
+    assert answered[-1] < got[0].started + got[0].wall
     fresh = [rng.integers(1, CFG.vocab_size, 20).tolist() for _ in range(4)]   # longer prompts: other calls
     with pytest.raises(RuntimeError, match="another call than the recorded one|fewer calls"):
         host_only(eng, calls, outputs, lambda: serve(eng, fresh, adapters, 3))
