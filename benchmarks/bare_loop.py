@@ -24,15 +24,17 @@ computation, so hidden work still slows it. `--host-probe` adds two bare loops p
 host beside them that reads each call's output and then sleeps, or computes, for the engine's
 host-only time per call: "bare with host asleep / bare" is what that much host work costs a device
 that does not share the host's cores (an accelerator: ~1.00 when the pipelining hides it), "bare
-with host busy / bare" what it costs this CPU, whose cores the device shares. Burst edges (medians over a
-variant's timed bursts), where no device call is in flight: "submit" (the burst's requests
-submitted) and "submit -> first call" (the step that schedules them, builds the prefill call and
-dispatches it), timed in the engine runs; "last tokens -> done" (the last call's tokens handed out
-and every request finished), timed in the host-only replay, where each output is there at once.
-"edges / bare" is their sum over the bare loop's time per burst: the share of the gap they explain.
-The last line is the
-first variant's (base, the first `--steps` value: 4 by default) median engine / bare ratio, its last
-number.
+with host busy / bare" what it costs this CPU, whose cores the device shares.
+
+Burst edges (a second table; medians over a variant's timed bursts), where no device call is in
+flight: "submit" (the burst's requests submitted) and "submit -> first call" (the step that
+schedules them, builds the prefill call and dispatches it), timed in the engine runs; "last tokens
+-> done" (the last call's tokens handed out and every request finished), timed in the host-only
+replay, where each output is there at once. "edges / bare" is their sum over the bare loop's time
+per burst: the share of the engine's gap they explain.
+
+The last line is the first variant's (base, the first `--steps` value: 4 by default) median engine
+/ bare ratio, its last number.
 """
 from __future__ import annotations
 
@@ -246,11 +248,15 @@ def main(argv=None) -> int:
                 held["staged"], held["tokens"] = rec.staged(), tokens
                 calls[name] = len(held["staged"]) // args.bursts
                 jax.block_until_ready(outputs)
-                served, stamps = [], []
-                alone = host_only(eng, calls_, outputs, lambda: served.extend(serve(eng, p, picks, args.max_tokens)
-                                                                              for p in prompts), stamps)
-                per = len(stamps) // len(served)                 # the same calls per burst (host_only checks the total)
-                back = [s.started + s.wall - stamps[(i + 1) * per - 1] for i, s in enumerate(served)]
+                served, stamps, ends = [], [], []                # ends: calls answered by each burst's end
+
+                def serve_all(served=served, stamps=stamps, ends=ends, prompts=prompts):
+                    for p in prompts:
+                        served.append(serve(eng, p, picks, args.max_tokens))
+                        ends.append(len(stamps))
+
+                alone = host_only(eng, calls_, outputs, serve_all, stamps)
+                back = [s.started + s.wall - stamps[n - 1] for s, n in zip(served, ends)]
                 held["host_s"] = alone / len(held["staged"])      # the engine's host-only work per call
                 return {"tok_per_s": tokens / wall, "wall_s": wall, "calls": len(held["staged"]), "cpu_s": cpu,
                         "host_only_s": alone, "front_s": front, "back_s": back}
