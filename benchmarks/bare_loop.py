@@ -33,8 +33,16 @@ schedules them, builds the prefill call and dispatches it), timed in the engine 
 replay, where each output is there at once. "edges / bare" is their sum over the bare loop's time
 per burst: the share of the engine's gap they explain.
 
-The last line is the first variant's (base, the first `--steps` value: 4 by default) median engine
-/ bare ratio, its last number.
+Burst pairs (a third table, `--pairs`, 200 by default): after the repeats, each variant's engine
+serves one burst and the bare loop replays that burst's calls at once, the variants alternating
+burst by burst. Per variant: engine / bare over all the pairs (all bare-loop wall over all engine
+wall, the same tokens: the engine's slow bursts count in full), the same over each half of the
+pairs, and the per-pair ratio's median and quartiles. On a 2-core VM whose speed drifts over
+seconds, the repeats' medians of the same code spread 0.78-0.91x from run to run; 200 pairs
+(~10 s per variant on the tiny model) moved 0.82-0.84x.
+
+The last line is the first variant's (base, the first `--steps` value: 4 by default) engine / bare
+ratio over its burst pairs (with `--pairs 0`: the median of the repeats), its last number.
 """
 from __future__ import annotations
 
@@ -185,6 +193,33 @@ def host_only(engine, calls, outputs, serve_all, stamps: list | None = None) -> 
     return cpu
 
 
+def paired_bursts(engines: dict, pairs: int, prompts, max_tokens: int) -> dict:
+    """Each variant's engine (`engines`: name -> (engine, its Recorder, adapter picks)) against its
+    own replay, burst by burst: `pairs` times, for every variant in turn (the order reversed every
+    other pair), one burst served (`prompts(i)`) and then its recorded calls replayed at once by the
+    bare loop. A machine whose speed drifts over seconds moves both sides of a pair alike. Returns
+    name -> {"engine_s", "bare_s", "tokens"}: one entry per pair."""
+    out = {name: {"engine_s": [], "bare_s": [], "tokens": []} for name in engines}
+    for _, rec, _ in engines.values():
+        rec.keep_outputs, rec.outputs = False, []
+        rec.staged()                                            # drop what earlier runs recorded
+    names = list(engines)
+    for i in range(pairs):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            eng, rec, picks = engines[name]
+            s = serve(eng, prompts(i), picks, max_tokens)
+            bare = bare_loop(eng, rec.staged())
+            for k, v in (("engine_s", s.wall), ("bare_s", bare), ("tokens", s.tokens)):
+                out[name][k].append(v)
+    return out
+
+
+def paired_ratio(p: dict, part: slice = slice(None)) -> float:
+    """Engine tok/s over bare-loop tok/s across the pairs `part`: all their tokens over all their wall
+    time, each side (the engine's slow bursts count in full, as they do for a client)."""
+    return sum(p["bare_s"][part]) / sum(p["engine_s"][part])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench-dir", default="/work/bench_data")
@@ -210,6 +245,10 @@ def main(argv=None) -> int:
                          "sleeps ('asleep') or computes ('busy') for the engine's host-only time per call of that "
                          "repeat: asleep/bare is what that host work costs where it does not share the device's "
                          "cores (an accelerator), busy/bare what it costs a CPU device sharing them")
+    ap.add_argument("--pairs", type=int, default=200,
+                    help="burst pairs per variant after the round-robin repeats: one burst served and its calls "
+                         "replayed at once, variants alternating burst by burst (paired_bursts); the last line's "
+                         "ratio is theirs. 0: no pairs, the last line gives the median of the repeats")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     t_all = time.perf_counter()
@@ -223,12 +262,13 @@ def main(argv=None) -> int:
     runner = load_runner(args.model)
     log(header(runner, f"{args.requests} requests x {args.prompt_len} -> {args.max_tokens} tokens"))
     V = runner.cfg.vocab_size
-    cases, calls = {}, {}
+    cases, calls, engines = {}, {}, {}
     for label, with_ad in (("base", False), ("PreFT-LoRA", True))[:2 if adir else 1]:
         for steps, fused in [(st, k) for k in args.fused for st in args.steps if st > 1 or k == 1]:
             name = f"{label} steps={steps}" + (f" fused={fused}" if fused > 1 else "")
             eng, picks = served_engine(runner, adir if with_ad else None, steps, args, fused)
             rec = Recorder(eng, keep_outputs=True)
+            engines[name] = (eng, rec, picks)
             held = {}
 
             def run_engine(rep, eng=eng, rec=rec, held=held, picks=picks, name=name):
@@ -302,11 +342,31 @@ def main(argv=None) -> int:
         edges = statistics.median(sub) + statistics.median(first) + statistics.median(back)
         bare = statistics.median([r["wall_s"] / args.bursts for r in b])
         log(f"| {name} | {ms(sub)} | {ms(first)} | {ms(back)} | {edges * 1e3:.2f} | {bare * 1e3:.2f} | {edges / bare:.3f} |")
+    paired = {}
+    if args.pairs > 0:
+        seed0 = (args.repeats + 1) * args.bursts
+        paired = paired_bursts(engines, args.pairs, lambda i: random_prompts(args.requests, args.prompt_len, V,
+                                                                             seed0 + i), args.max_tokens)
+        log("\n| variant | burst pairs | engine / bare, paired (all tokens / all wall) | first half / second half "
+            "| per-pair ratio median (25th-75th percentile) | engine ms per burst | bare loop ms per burst |")
+        log("|---|---:|---:|---:|---:|---:|---:|")
+        for name, p in paired.items():
+            half = args.pairs // 2
+            per = np.asarray(p["bare_s"]) / np.asarray(p["engine_s"])
+            q1, q2, q3 = np.percentile(per, [25, 50, 75])
+            ms = lambda v: spread([x * 1e3 for x in v], "{:.2f}")                 # noqa: E731
+            log(f"| {name} | {args.pairs} | {paired_ratio(p):.3f}x | {paired_ratio(p, slice(None, half)):.3f}x / "
+                f"{paired_ratio(p, slice(half, None)):.3f}x | {q2:.3f}x ({q1:.3f}-{q3:.3f}) | {ms(p['engine_s'])} "
+                f"| {ms(p['bare_s'])} |")
     log(f"# minimal calls for this workload: 1 prefill + {args.max_tokens - 1} decode = {args.max_tokens}")
     log(f"# total wall {time.perf_counter() - t_all:.0f} s; {args.repeats} round-robin repeats, medians (min-max)")
-    write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls, "ratios": ratios})
+    write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls, "ratios": ratios, "paired": paired})
     first = next(iter(ratios))
-    log(f"# engine / bare loop, {first}, {args.requests} rows (median of {args.repeats}): {ratios[first]:.2f}x")
+    if paired:
+        log(f"# engine / bare loop, {first}, {args.requests} rows ({args.pairs} burst pairs, all tokens / all wall; "
+            f"the median of the {args.repeats} repeats: {ratios[first]:.2f}x): {paired_ratio(paired[first]):.2f}x")
+    else:
+        log(f"# engine / bare loop, {first}, {args.requests} rows (median of {args.repeats}): {ratios[first]:.2f}x")
     return 0
 
 

@@ -83,3 +83,42 @@ def test_host_only_hands_out_the_recorded_tokens_and_refuses_another_workload(ru
     fresh = [rng.integers(1, CFG.vocab_size, 20).tolist() for _ in range(4)]   # longer prompts: other calls
     with pytest.raises(RuntimeError, match="another call than the recorded one|fewer calls"):
         host_only(eng, calls, outputs, lambda: serve(eng, fresh, adapters, 3))
+
+
+def test_paired_bursts_replay_each_burst_right_after_it(runner, monkeypatch):
+    """`--pairs`: every variant serves a burst and the bare loop replays exactly that burst's calls
+    before anything else runs; one entry per pair, the variants' order reversed every other pair,
+    and the recorder keeps no outputs (200 pairs would hold every call's output)."""
+    import benchmarks.bare_loop as bl
+    engines, seen = {}, {}
+    for steps in (4, 1):
+        eng = Engine(runner, AdapterRegistry(CFG, 0), EngineConfig(
+            max_num_seqs=4, max_model_len=64, max_prefill_seqs=4, max_num_batched_tokens=64, block_size=4,
+            enable_prefix_cache=False, num_scheduler_steps=steps))
+        serve(eng, [[1, 2, 3]], [None], 2)
+        rec = Recorder(eng, keep_outputs=True)
+        rec.outputs.append("stale")
+        serve(eng, [[4, 5]], [None], 2)                  # recorded before the pairs: dropped, not replayed
+        engines[f"steps={steps}"] = (eng, rec, [None] * 3)
+        seen[eng] = Recorder(eng)                         # a second recorder: the calls each burst made
+    order, real = [], bl.bare_loop
+
+    def checked(eng, staged):
+        made = seen[eng].staged()
+        assert [type(c).__name__ for c in staged] == [type(c).__name__ for c in made] and len(made) >= 5
+        order.append(next(k for k, v in engines.items() if v[0] is eng))
+        return real(eng, staged)
+
+    monkeypatch.setattr(bl, "bare_loop", checked)
+    rng = np.random.default_rng(3)
+    prompts = [[rng.integers(1, CFG.vocab_size, 6).tolist() for _ in range(3)] for _ in range(3)]
+    out = bl.paired_bursts(engines, 3, lambda i: prompts[i], 5)
+    assert order == ["steps=4", "steps=1", "steps=1", "steps=4", "steps=4", "steps=1"]
+    for name, p in out.items():
+        assert p["tokens"] == [15, 15, 15] and all(x > 0 for x in p["engine_s"] + p["bare_s"])
+        assert bl.paired_ratio(p) == pytest.approx((p["bare_s"][0] + p["bare_s"][1] + p["bare_s"][2])
+                                                   / (p["engine_s"][0] + p["engine_s"][1] + p["engine_s"][2]))
+        assert bl.paired_ratio(p, slice(1, None)) == pytest.approx((p["bare_s"][1] + p["bare_s"][2])
+                                                                   / (p["engine_s"][1] + p["engine_s"][2]))
+        rec = engines[name][1]
+        assert rec.outputs == [] and rec.calls == []
