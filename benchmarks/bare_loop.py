@@ -38,8 +38,9 @@ serves one burst and the bare loop replays that burst's calls at once, the varia
 burst by burst. Per variant: engine / bare over all the pairs (all bare-loop wall over all engine
 wall, the same tokens: the engine's slow bursts count in full), the same over each half of the
 pairs, and the per-pair ratio's median and quartiles. On a 2-core VM whose speed drifts over
-seconds, the repeats' medians of the same code spread 0.78-0.91x from run to run; 200 pairs
-(~10 s per variant on the tiny model) moved 0.82-0.84x.
+seconds, the repeats' medians of the same code spread 0.78-0.91x over twelve runs; 200 pairs
+(~10 s per variant on the tiny model) gave 0.82-0.84x in three runs within a minute (the machine's
+own drift over tens of minutes still moves them a few points: compare variants within one run).
 
 The last line is the first variant's (base, the first `--steps` value: 4 by default) engine / bare
 ratio over its burst pairs (with `--pairs 0`: the median of the repeats), its last number.
