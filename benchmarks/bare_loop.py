@@ -252,6 +252,8 @@ def main(argv=None) -> int:
                          "ratio is theirs. 0: no pairs, the last line gives the median of the repeats")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.pairs < 0:
+        ap.error(f"--pairs must be >= 0, got {args.pairs}")
     t_all = time.perf_counter()
     adir = args.adapter_dir or (None if args.model else str(pathlib.Path(args.bench_dir) / "adapters" / "r16_qkvo"))
     if adir is not None and not (pathlib.Path(adir) / f"lora_{args.n_adapters - 1}").is_dir():
@@ -356,9 +358,10 @@ def main(argv=None) -> int:
             per = np.asarray(p["bare_s"]) / np.asarray(p["engine_s"])
             q1, q2, q3 = np.percentile(per, [25, 50, 75])
             ms = lambda v: spread([x * 1e3 for x in v], "{:.2f}")                 # noqa: E731
-            log(f"| {name} | {args.pairs} | {paired_ratio(p):.3f}x | {paired_ratio(p, slice(None, half)):.3f}x / "
-                f"{paired_ratio(p, slice(half, None)):.3f}x | {q2:.3f}x ({q1:.3f}-{q3:.3f}) | {ms(p['engine_s'])} "
-                f"| {ms(p['bare_s'])} |")
+            halves = (f"{paired_ratio(p, slice(None, half)):.3f}x / {paired_ratio(p, slice(half, None)):.3f}x"
+                      if half else "-")                                  # one pair: no halves
+            log(f"| {name} | {args.pairs} | {paired_ratio(p):.3f}x | {halves} | {q2:.3f}x ({q1:.3f}-{q3:.3f}) "
+                f"| {ms(p['engine_s'])} | {ms(p['bare_s'])} |")
     log(f"# minimal calls for this workload: 1 prefill + {args.max_tokens - 1} decode = {args.max_tokens}")
     log(f"# total wall {time.perf_counter() - t_all:.0f} s; {args.repeats} round-robin repeats, medians (min-max)")
     write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls, "ratios": ratios, "paired": paired})
