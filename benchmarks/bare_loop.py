@@ -334,12 +334,16 @@ def main(argv=None) -> int:
         log(f"| {name} | {calls[name]} | {spread([r['tok_per_s'] for r in e])} | {spread([r['tok_per_s'] for r in b])} "
             f"| {ratios[name]:.2f}x | {min(per):.2f}-{max(per):.2f}x | {spread(host, '{:.0f}')} | {cpu_e:.0f} / {cpu_b:.0f} "
             f"| {spread(alone, '{:.0f}')} |{probe}")
+
+    def ms(seconds) -> str:
+        """Seconds as milliseconds: median (min-max)."""
+        return spread([x * 1e3 for x in seconds], "{:.2f}")
+
     log("\n| variant | submit ms | submit -> first call ms | last tokens -> done ms (host-only) | edges ms "
         "| bare loop ms per burst | edges / bare |")
     log("|---|---:|---:|---:|---:|---:|---:|")
     for name in ratios:
         e, b = runs[name], runs[f"{name} (bare loop)"]
-        ms = lambda v: spread([x * 1e3 for x in v], "{:.2f}")                 # noqa: E731
         sub, first = zip(*[x for r in e for x in r["front_s"]])
         back = [x for r in e for x in r["back_s"]]
         edges = statistics.median(sub) + statistics.median(first) + statistics.median(back)
@@ -357,7 +361,6 @@ def main(argv=None) -> int:
             half = args.pairs // 2
             per = np.asarray(p["bare_s"]) / np.asarray(p["engine_s"])
             q1, q2, q3 = np.percentile(per, [25, 50, 75])
-            ms = lambda v: spread([x * 1e3 for x in v], "{:.2f}")                 # noqa: E731
             halves = (f"{paired_ratio(p, slice(None, half)):.3f}x / {paired_ratio(p, slice(half, None)):.3f}x"
                       if half else "-")                                  # one pair: no halves
             log(f"| {name} | {args.pairs} | {paired_ratio(p):.3f}x | {halves} | {q2:.3f}x ({q1:.3f}-{q3:.3f}) "
