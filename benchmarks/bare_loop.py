@@ -42,6 +42,11 @@ seconds, the repeats' medians of the same code spread 0.78-0.91x over twelve run
 (~10 s per variant on the tiny model) gave 0.82-0.84x in three runs within a minute (the machine's
 own drift over tens of minutes still moves them a few points: compare variants within one run).
 
+CPU binding (`--cpu-binding`, serve/cpu_binding.py): by default this script's thread, which steps
+every engine and runs every bare loop, holds a core of its own and the runtime's threads the others,
+as the server's engine thread does (`--cpu-binding off`: the OS places them, the figures before the
+tenth session). Both loops run under the same placement.
+
 The last line is the first variant's (base, the first `--steps` value: 4 by default) engine / bare
 ratio over its burst pairs (with `--pairs 0`: the median of the repeats), its last number.
 """
@@ -69,7 +74,8 @@ def make_engine(runner, adapter_dir, steps, args, fused: int = 1):
     return Engine(runner, reg, EngineConfig(
         max_num_seqs=R, max_model_len=args.prompt_len + args.max_tokens, max_prefill_seqs=R,
         max_num_batched_tokens=R + R * args.prompt_len, enable_prefix_cache=False, num_scheduler_steps=steps,
-        cpu_decode=getattr(args, "cpu_decode", "auto"), decode_steps_per_call=fused))
+        cpu_decode=getattr(args, "cpu_decode", "auto"), decode_steps_per_call=fused,
+        cpu_binding=getattr(args, "cpu_binding", "off")))
 
 
 def served_engine(runner, adapter_dir, steps, args, fused: int = 1):
@@ -241,6 +247,11 @@ def main(argv=None) -> int:
                          "than one ~40 ms round on the tiny model, whose spread on this machine was 0.5-1.2x")
     ap.add_argument("--cpu-decode", default="auto", choices=("auto", "native", "xla"),
                     help="EngineConfig.cpu_decode: the CPU base decode path (both loops run the same one)")
+    ap.add_argument("--cpu-binding", default="on", choices=("auto", "on", "off"),
+                    help="EngineConfig.cpu_binding: 'on' (default) binds this script's thread, which steps the "
+                         "engines and runs the bare loops, to a core of its own and the runtime's threads to the "
+                         "others, as the server binds its engine thread; 'auto' and 'off' leave them to the OS "
+                         "here ('auto' binds only an engine's own loop thread)")
     ap.add_argument("--host-probe", action="store_true",
                     help="also time the bare loop with a host beside it that reads each call's output and then "
                          "sleeps ('asleep') or computes ('busy') for the engine's host-only time per call of that "
@@ -270,6 +281,8 @@ def main(argv=None) -> int:
         for steps, fused in [(st, k) for k in args.fused for st in args.steps if st > 1 or k == 1]:
             name = f"{label} steps={steps}" + (f" fused={fused}" if fused > 1 else "")
             eng, picks = served_engine(runner, adir if with_ad else None, steps, args, fused)
+            if not engines:
+                log(f"# cpu binding {args.cpu_binding}: this thread {eng.health()['cpu_binding']}")
             rec = Recorder(eng, keep_outputs=True)
             engines[name] = (eng, rec, picks)
             held = {}

@@ -13,7 +13,8 @@
                            [--max-header-bytes 16384] [--limit-concurrency N]
                            [--warmup background|full|none] [--warmup-logprobs] [--decode-steps-per-call 1]
     both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--quantize int8|int4]
-          [--mesh data=D,tensor=T] [--cpu-decode auto|native|xla] [--no-cache] [--quiet]
+          [--mesh data=D,tensor=T] [--cpu-decode auto|native|xla] [--cpu-binding auto|on|off]
+          [--no-cache] [--quiet]
 
 `python -m serve generate --help` / `server --help` list every flag with its default.
 
@@ -167,6 +168,7 @@ def cmd_generate(args) -> int:
                            quantize=args.quantize, model_path=args.model,
                            max_num_seqs=1, max_prefill_seqs=1, max_model_len=max_len,
                            max_num_batched_tokens=max(2, min(512, max_len)), cpu_decode=args.cpu_decode,
+                           cpu_binding=args.cpu_binding,
                            max_invocation_tokens=max([16] + [len(w.config.policy.invocation_tokens or ())
                                                              for w in weights.values()]))
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
@@ -214,7 +216,7 @@ def cmd_server(args) -> int:
                            max_prefill_seqs=args.max_prefill_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                            kv_cache_memory=args.kv_cache_memory, enable_prefix_cache=not args.no_prefix_cache,
-                           cpu_decode=args.cpu_decode,
+                           cpu_decode=args.cpu_decode, cpu_binding=args.cpu_binding,
                            max_queued=args.max_queued, request_timeout=args.request_timeout or None,
                            max_request_sequences=args.max_request_sequences,
                            max_request_prompt_logprob_tokens=args.max_request_prompt_logprob_tokens,
@@ -270,6 +272,10 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
                         help="on one CPU device in float32: native = the native decode step and native base "
                              "projections (pallas_kernels.cpu), xla = XLA:CPU for everything; auto = native where "
                              "its library builds")
+        sp.add_argument("--cpu-binding", choices=("auto", "on", "off"), default="auto",
+                        help="on a CPU backend: the thread that steps the engine on a core of its own, XLA's and "
+                             "the native step's threads on the others (auto = the server's engine thread; on = "
+                             "also the calling thread of generate; off = the OS places them)")
         sp.add_argument("--no-cache", action="store_true",
                         help="neither read nor write the weight / compilation caches (see docs/caching.md)")
         sp.add_argument("--quiet", action="store_true", help="no progress bars")

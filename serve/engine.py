@@ -85,6 +85,7 @@ import numpy as np
 from preft_jax.generation import ModelRunner
 from preft_jax.paged_kv import PagedKVCache
 from preft_jax.sampling import SamplingParams, seed_key_data
+from serve.cpu_binding import ThreadBinding
 from serve.engine_config import EngineConfig
 from serve.errors import DeadlineExceededError, EngineError, QueueFullError, RequestError, UnavailableError
 from serve.handout import Handout
@@ -159,6 +160,10 @@ class Engine:
         self._inflight: DecodeStep | None = None  # a decode call left in flight by a quiet step (async scheduling)
         self._new_tokens = 0                     # generated this step (the metrics counter is updated once per step)
         self._froze_heap = False                 # warm-up froze the startup heap (EngineConfig.freeze_gc)
+        self._binding = ThreadBinding()          # EngineConfig.cpu_binding (serve/cpu_binding.py)
+        self._bind_loop = config.cpu_binding == "on" or (config.cpu_binding == "auto"
+                                                         and jax.default_backend() == "cpu")
+        self._bind_caller = config.cpu_binding == "on"
 
     @property
     def mode(self) -> str:
@@ -355,10 +360,13 @@ class Engine:
                 "kv_usage": round(self.pool.usage(), 3),
                 "warmup_pending": len(self._warm_pending) + self._warm_running,
                 "warmup_failed": len(self._warm_skipped), "warmup_skipped": list(self._warm_skipped),
-                "cpu_decode": "xla" if self.step_runner.native is None else "native"}
+                "cpu_decode": "xla" if self.step_runner.native is None else "native",
+                "cpu_binding": "bound" if self._binding.bound_to is not None else "unbound"}
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> None:
+        if self._bind_caller:                  # cpu_binding="on": whichever thread steps the engine
+            self._binding.bind()
         self._step_started = time.monotonic()
         try:
             with self._state:
@@ -1007,11 +1015,14 @@ class Engine:
                 self._thread = None
         for req in self.live_requests():
             self._terminate(req, error=EngineError("the server is shutting down", 503, "unavailable"))
+        self._binding.release()
         if self._froze_heap:
             self._froze_heap = False
             thaw_heap()
 
     def _loop(self):
+        if self._bind_loop:
+            self._binding.bind()
         while not self._stop.is_set():
             if not self.busy:
                 if self._warm_pending:

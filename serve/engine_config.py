@@ -7,6 +7,8 @@ import math
 
 from preft_jax import native_decode
 
+CPU_BINDING = ("auto", "on", "off")      # EngineConfig.cpu_binding
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -34,6 +36,10 @@ class EngineConfig:
                                          # time, and a row that stops mid-call computes the rest for nothing)
     warmup_logprobs: bool = False        # warmup() also compiles the log-probability variants (else: on first use)
     cpu_decode: str = "auto"             # CPU float32 base decode: "native" (one FFI call), "xla", "auto"
+    cpu_binding: str = "auto"            # the stepping thread on a core of its own, the runtime's threads on the
+                                         # others (serve/cpu_binding.py): "auto" = the engine's own loop thread
+                                         # (`Engine.start`) on a CPU backend; "on" = also a caller's thread that
+                                         # steps it (generate, step); "off" = never
     freeze_gc: bool = True               # after warm-up: gc.collect() + gc.freeze() (serve/warmup.py freeze_heap):
                                          # a full collection then skips the startup heap (~0.2 s -> ~0 on the tiny
                                          # model's process, every stream paused meanwhile); undone at shutdown()
@@ -46,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"engine mode must be 'prefill' or 'all', got {self.mode!r}")
         if self.cpu_decode not in native_decode.CPU_DECODE:
             raise ValueError(f"cpu_decode must be one of {native_decode.CPU_DECODE}, got {self.cpu_decode!r}")
+        if self.cpu_binding not in CPU_BINDING:
+            raise ValueError(f"cpu_binding must be one of {CPU_BINDING}, got {self.cpu_binding!r}")
         for name in ("max_num_seqs", "max_prefill_seqs", "block_size", "min_chunk", "num_scheduler_steps",
                      "decode_steps_per_call"):
             if getattr(self, name) < 1:
