@@ -45,7 +45,10 @@ own drift over tens of minutes still moves them a few points: compare variants w
 CPU binding (`--cpu-binding`, serve/cpu_binding.py): by default this script's thread, which steps
 every engine and runs every bare loop, holds a core of its own and the runtime's threads the others,
 as the server's engine thread does (`--cpu-binding off`: the OS places them, the figures before the
-tenth session). Both loops run under the same placement.
+tenth session). Both loops run under the same placement. A fourth table (`--binding-pairs`, 100 by
+default, after the engines above are shut down) prices it side by side: one more engine of the
+first variant, its bursts served and replayed with this thread bound and unbound, alternating burst
+by burst; "engine speed bound / unbound" is its unbound engine wall over its bound engine wall.
 
 The last line is the first variant's (base, the first `--steps` value: 4 by default) engine / bare
 ratio over its burst pairs (with `--pairs 0`: the median of the repeats), its last number.
@@ -200,12 +203,13 @@ def host_only(engine, calls, outputs, serve_all, stamps: list | None = None) -> 
     return cpu
 
 
-def paired_bursts(engines: dict, pairs: int, prompts, max_tokens: int) -> dict:
+def paired_bursts(engines: dict, pairs: int, prompts, max_tokens: int, before: dict | None = None) -> dict:
     """Each variant's engine (`engines`: name -> (engine, its Recorder, adapter picks)) against its
     own replay, burst by burst: `pairs` times, for every variant in turn (the order reversed every
     other pair), one burst served (`prompts(i)`) and then its recorded calls replayed at once by the
-    bare loop. A machine whose speed drifts over seconds moves both sides of a pair alike. Returns
-    name -> {"engine_s", "bare_s", "tokens"}: one entry per pair."""
+    bare loop (`before`: name -> a callable run first, untimed). A machine whose speed drifts over
+    seconds moves both sides of a pair alike. Returns name -> {"engine_s", "bare_s", "tokens"}: one
+    entry per pair."""
     out = {name: {"engine_s": [], "bare_s": [], "tokens": []} for name in engines}
     for _, rec, _ in engines.values():
         rec.keep_outputs, rec.outputs = False, []
@@ -214,11 +218,28 @@ def paired_bursts(engines: dict, pairs: int, prompts, max_tokens: int) -> dict:
     for i in range(pairs):
         for name in (names if i % 2 == 0 else names[::-1]):
             eng, rec, picks = engines[name]
+            if before:
+                before[name]()
             s = serve(eng, prompts(i), picks, max_tokens)
             bare = bare_loop(eng, rec.staged())
             for k, v in (("engine_s", s.wall), ("bare_s", bare), ("tokens", s.tokens)):
                 out[name][k].append(v)
     return out
+
+
+def binding_pairs(runner, args, pairs: int, prompts) -> dict:
+    """The CPU binding's worth, side by side: one more engine of the first variant (base, the first
+    `--steps`, no fusing) with `cpu_binding="off"`, its bursts served and replayed (`paired_bursts`)
+    alternately with this thread bound (`ThreadBinding`: a core of its own, the runtime's threads on
+    the others) and unbound. Call it with no other binding held (the engines' shut down)."""
+    from serve.cpu_binding import ThreadBinding
+    eng, picks = served_engine(runner, None, args.steps[0], argparse.Namespace(**{**vars(args), "cpu_binding": "off"}))
+    rec, binding = Recorder(eng), ThreadBinding()
+    try:
+        return paired_bursts({"bound": (eng, rec, picks), "unbound": (eng, rec, picks)}, pairs, prompts,
+                             args.max_tokens, {"bound": binding.bind, "unbound": binding.release})
+    finally:
+        binding.release()
 
 
 def paired_ratio(p: dict, part: slice = slice(None)) -> float:
@@ -261,10 +282,14 @@ def main(argv=None) -> int:
                     help="burst pairs per variant after the round-robin repeats: one burst served and its calls "
                          "replayed at once, variants alternating burst by burst (paired_bursts); the last line's "
                          "ratio is theirs. 0: no pairs, the last line gives the median of the repeats")
+    ap.add_argument("--binding-pairs", type=int, default=100,
+                    help="burst pairs of a fourth table, last: the first variant's engine with this thread bound "
+                         "and unbound, alternating burst by burst (binding_pairs; 0: not run)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.pairs < 0:
-        ap.error(f"--pairs must be >= 0, got {args.pairs}")
+    for flag in ("pairs", "binding_pairs"):
+        if getattr(args, flag) < 0:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     t_all = time.perf_counter()
     adir = args.adapter_dir or (None if args.model else str(pathlib.Path(args.bench_dir) / "adapters" / "r16_qkvo"))
     if adir is not None and not (pathlib.Path(adir) / f"lora_{args.n_adapters - 1}").is_dir():
@@ -378,9 +403,27 @@ def main(argv=None) -> int:
                       if half else "-")                                  # one pair: no halves
             log(f"| {name} | {args.pairs} | {paired_ratio(p):.3f}x | {halves} | {q2:.3f}x ({q1:.3f}-{q3:.3f}) "
                 f"| {ms(p['engine_s'])} | {ms(p['bare_s'])} |")
+    bound = {}
+    if args.binding_pairs > 0:
+        for eng, _, _ in engines.values():
+            eng.shutdown()                                      # their bindings released
+        seed0 = (args.repeats + 1) * args.bursts + args.pairs
+        bound = binding_pairs(runner, args, args.binding_pairs,
+                              lambda i: random_prompts(args.requests, args.prompt_len, V, seed0 + i))
+        b, u = bound["bound"], bound["unbound"]
+        half = args.binding_pairs // 2
+        speed = lambda part: sum(u["engine_s"][part]) / sum(b["engine_s"][part])      # noqa: E731
+        log(f"\n| base steps={args.steps[0]}, this thread | burst pairs | engine ms per burst | bare loop ms per burst | engine / bare |")
+        log("|---|---:|---:|---:|---:|")
+        for name, p in bound.items():
+            log(f"| {name} | {args.binding_pairs} | {ms(p['engine_s'])} | {ms(p['bare_s'])} | {paired_ratio(p):.3f}x |")
+        log(f"# cpu binding: engine speed bound / unbound {speed(slice(None)):.3f}x"
+            + (f" (halves {speed(slice(None, half)):.3f}x / {speed(slice(half, None)):.3f}x)" if half else "")
+            + f"; bare loop bound / unbound {sum(u['bare_s']) / sum(b['bare_s']):.3f}x")
     log(f"# minimal calls for this workload: 1 prefill + {args.max_tokens - 1} decode = {args.max_tokens}")
     log(f"# total wall {time.perf_counter() - t_all:.0f} s; {args.repeats} round-robin repeats, medians (min-max)")
-    write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls, "ratios": ratios, "paired": paired})
+    write_json(args.json, {"args": vars(args), "runs": runs, "calls": calls, "ratios": ratios, "paired": paired,
+                           "binding": bound})
     first = next(iter(ratios))
     if paired:
         log(f"# engine / bare loop, {first}, {args.requests} rows ({args.pairs} burst pairs, all tokens / all wall; "

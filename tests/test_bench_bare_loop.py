@@ -112,8 +112,10 @@ def test_paired_bursts_replay_each_burst_right_after_it(runner, monkeypatch):
     monkeypatch.setattr(bl, "bare_loop", checked)
     rng = np.random.default_rng(3)
     prompts = [[rng.integers(1, CFG.vocab_size, 6).tolist() for _ in range(3)] for _ in range(3)]
-    out = bl.paired_bursts(engines, 3, lambda i: prompts[i], 5)
-    assert order == ["steps=4", "steps=1", "steps=1", "steps=4", "steps=4", "steps=1"]
+    hooks = {name: (lambda name=name: order.append(f"before {name}")) for name in engines}
+    out = bl.paired_bursts(engines, 3, lambda i: prompts[i], 5, hooks)
+    assert order == ["before steps=4", "steps=4", "before steps=1", "steps=1", "before steps=1", "steps=1",
+                     "before steps=4", "steps=4", "before steps=4", "steps=4", "before steps=1", "steps=1"]
     for name, p in out.items():
         assert p["tokens"] == [15, 15, 15] and all(x > 0 for x in p["engine_s"] + p["bare_s"])
         assert bl.paired_ratio(p) == pytest.approx((p["bare_s"][0] + p["bare_s"][1] + p["bare_s"][2])
