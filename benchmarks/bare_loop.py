@@ -42,13 +42,13 @@ seconds, the repeats' medians of the same code spread 0.78-0.91x over twelve run
 (~10 s per variant on the tiny model) gave 0.82-0.84x in three runs within a minute (the machine's
 own drift over tens of minutes still moves them a few points: compare variants within one run).
 
-CPU binding (`--cpu-binding`, serve/cpu_binding.py): by default this script's thread, which steps
-every engine and runs every bare loop, holds a core of its own and the runtime's threads the others,
-as the server's engine thread does (`--cpu-binding off`: the OS places them, the figures before the
-tenth session). Both loops run under the same placement. A fourth table (`--binding-pairs`, 100 by
-default, after the engines above are shut down) prices it side by side: one more engine of the
-first variant, its bursts served and replayed with this thread bound and unbound, alternating burst
-by burst; "engine speed bound / unbound" is its unbound engine wall over its bound engine wall.
+CPU binding (`--cpu-binding`, serve/cpu_binding.py; off by default, as in the engine): `on` gives
+this script's thread, which steps every engine and runs every bare loop, a core of its own and the
+runtime's threads the others; both loops run under the same placement. A fourth table
+(`--binding-pairs`, 100 by default, after the engines above are shut down) prices it side by side:
+one more engine of the first variant, its bursts served and replayed with this thread bound and
+unbound, alternating burst by burst; "engine speed bound / unbound" is its unbound engine wall over
+its bound engine wall.
 
 The last line is the first variant's (base, the first `--steps` value: 4 by default) engine / bare
 ratio over its burst pairs (with `--pairs 0`: the median of the repeats), its last number.
@@ -268,11 +268,10 @@ def main(argv=None) -> int:
                          "than one ~40 ms round on the tiny model, whose spread on this machine was 0.5-1.2x")
     ap.add_argument("--cpu-decode", default="auto", choices=("auto", "native", "xla"),
                     help="EngineConfig.cpu_decode: the CPU base decode path (both loops run the same one)")
-    ap.add_argument("--cpu-binding", default="on", choices=("auto", "on", "off"),
-                    help="EngineConfig.cpu_binding: 'on' (default) binds this script's thread, which steps the "
+    ap.add_argument("--cpu-binding", default="off", choices=("off", "on"),
+                    help="EngineConfig.cpu_binding of the engines: 'on' binds this script's thread, which steps the "
                          "engines and runs the bare loops, to a core of its own and the runtime's threads to the "
-                         "others, as the server binds its engine thread; 'auto' and 'off' leave them to the OS "
-                         "here ('auto' binds only an engine's own loop thread)")
+                         "others; 'off' (the engine's default): the OS places them")
     ap.add_argument("--host-probe", action="store_true",
                     help="also time the bare loop with a host beside it that reads each call's output and then "
                          "sleeps ('asleep') or computes ('busy') for the engine's host-only time per call of that "

@@ -13,7 +13,7 @@
                            [--max-header-bytes 16384] [--limit-concurrency N]
                            [--warmup background|full|none] [--warmup-logprobs] [--decode-steps-per-call 1]
     both: [--backend auto|jnp|xla|pallas] [--dtype float32|bfloat16] [--quantize int8|int4]
-          [--mesh data=D,tensor=T] [--cpu-decode auto|native|xla] [--cpu-binding auto|on|off]
+          [--mesh data=D,tensor=T] [--cpu-decode auto|native|xla] [--cpu-binding off|on]
           [--no-cache] [--quiet]
 
 `python -m serve generate --help` / `server --help` list every flag with its default.
@@ -272,10 +272,11 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
                         help="on one CPU device in float32: native = the native decode step and native base "
                              "projections (pallas_kernels.cpu), xla = XLA:CPU for everything; auto = native where "
                              "its library builds")
-        sp.add_argument("--cpu-binding", choices=("auto", "on", "off"), default="auto",
-                        help="on a CPU backend: the thread that steps the engine on a core of its own, XLA's and "
-                             "the native step's threads on the others (auto = the server's engine thread; on = "
-                             "also the calling thread of generate; off = the OS places them)")
+        sp.add_argument("--cpu-binding", choices=("off", "on"), default="off",
+                        help="on: the thread that steps the engine on a core of its own, XLA's and the native "
+                             "step's threads on the other cores (faster where host work is large next to the step, "
+                             "e.g. a small model with many rows; costs the computation one core: "
+                             "docs/serving.md); off: the OS places them")
         sp.add_argument("--no-cache", action="store_true",
                         help="neither read nor write the weight / compilation caches (see docs/caching.md)")
         sp.add_argument("--quiet", action="store_true", help="no progress bars")

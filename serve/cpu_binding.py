@@ -1,14 +1,16 @@
 """Where the engine's threads run on a CPU device: the thread that steps the engine on a core of its
 own, the runtime's native threads (XLA's worker pools, the native decode step's OpenMP team, LLVM's
-compile workers) on the other cores.
+compile workers) on the other cores (`EngineConfig.cpu_binding="on"`; off by default).
 
 On a CPU backend the "device" is those native threads, on the same cores as the engine's host
 thread. Left to the OS, the host thread's Python (scheduling, handing tokens out) lands on a core a
 step is running on and preempts it mid-step; the host work the pipelining should hide then slows
-the step it overlaps. Bound apart, each keeps its core: on the 2-vCPU VM of docs/benchmarks.md
-section 2 the engine served the tiny model's 64-row bursts 4-6% faster, the bare loop of the same
-calls unchanged. vLLM's CPU backend binds its OpenMP threads to cores the same way
-(VLLM_CPU_OMP_THREADS_BIND), and vllm-ascend pins its worker threads by default.
+the step it overlaps. Bound apart, each keeps its core, and the computation has one core fewer: on
+the 2-vCPU VM of docs/benchmarks.md section 2 the engine served the tiny model's bursts 1.07x (64
+rows) and 1.12x (256 rows) faster bound, and SmolLM2-135M's 0.70x - a compute-bound step on one
+core instead of two. Hence off by default: it pays where the host's work is large next to the step
+and cores are many. vLLM's CPU backend binds its OpenMP threads to chosen cores the same way
+(VLLM_CPU_OMP_THREADS_BIND, reserving cores with VLLM_CPU_NUM_OF_RESERVED_CPU).
 
     binding = ThreadBinding()
     binding.bind()        # from the stepping thread: True once bound (also when this thread already is)
@@ -17,9 +19,8 @@ calls unchanged. vLLM's CPU backend binds its OpenMP threads to cores the same w
 The placement is process-wide, so one thread holds it at a time: several engines stepped by one
 thread share it, and an engine stepped by another thread while it is held is left unbound (one log
 line). Where the OS refuses (no sched_setaffinity, a seccomp profile, one usable core) the engine
-runs unbound, with one log line. Only the engine's own choice (`EngineConfig.cpu_binding`, decided
-in serve/engine.py) calls this: "auto" binds the engine's own loop thread (`Engine.start`) on a CPU
-backend, never a caller's thread; "on" also binds a thread that steps the engine itself.
+runs unbound, with one log line. The engine binds whichever thread steps it (its own loop thread,
+or a caller's: `generate`, `step`), on its first step there.
 """
 from __future__ import annotations
 

@@ -161,9 +161,7 @@ class Engine:
         self._new_tokens = 0                     # generated this step (the metrics counter is updated once per step)
         self._froze_heap = False                 # warm-up froze the startup heap (EngineConfig.freeze_gc)
         self._binding = ThreadBinding()          # EngineConfig.cpu_binding (serve/cpu_binding.py)
-        self._bind_loop = config.cpu_binding == "on" or (config.cpu_binding == "auto"
-                                                         and jax.default_backend() == "cpu")
-        self._bind_caller = config.cpu_binding == "on"
+        self._bind = config.cpu_binding == "on"
 
     @property
     def mode(self) -> str:
@@ -365,7 +363,7 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> None:
-        if self._bind_caller:                  # cpu_binding="on": whichever thread steps the engine
+        if self._bind:                         # cpu_binding="on": whichever thread steps the engine
             self._binding.bind()
         self._step_started = time.monotonic()
         try:
@@ -1021,8 +1019,6 @@ class Engine:
             thaw_heap()
 
     def _loop(self):
-        if self._bind_loop:
-            self._binding.bind()
         while not self._stop.is_set():
             if not self.busy:
                 if self._warm_pending:

@@ -7,7 +7,7 @@ import math
 
 from preft_jax import native_decode
 
-CPU_BINDING = ("auto", "on", "off")      # EngineConfig.cpu_binding
+CPU_BINDING = ("off", "on")              # EngineConfig.cpu_binding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +36,10 @@ class EngineConfig:
                                          # time, and a row that stops mid-call computes the rest for nothing)
     warmup_logprobs: bool = False        # warmup() also compiles the log-probability variants (else: on first use)
     cpu_decode: str = "auto"             # CPU float32 base decode: "native" (one FFI call), "xla", "auto"
-    cpu_binding: str = "auto"            # the stepping thread on a core of its own, the runtime's threads on the
-                                         # others (serve/cpu_binding.py): "auto" = the engine's own loop thread
-                                         # (`Engine.start`) on a CPU backend; "on" = also a caller's thread that
-                                         # steps it (generate, step); "off" = never
+    cpu_binding: str = "off"             # "on": the thread that steps the engine (its own loop thread, or a caller's:
+                                         # generate, step) on a core of its own, the runtime's threads on the
+                                         # others (serve/cpu_binding.py; helps where host work is large next to
+                                         # the step, costs compute one core: docs/serving.md "CPU binding")
     freeze_gc: bool = True               # after warm-up: gc.collect() + gc.freeze() (serve/warmup.py freeze_heap):
                                          # a full collection then skips the startup heap (~0.2 s -> ~0 on the tiny
                                          # model's process, every stream paused meanwhile); undone at shutdown()

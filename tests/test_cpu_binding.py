@@ -76,11 +76,13 @@ SCRIPT = textwrap.dedent(r'''
         report["other"] = {"tokens_equal": box["tokens"] == reference, "health": box["health"]}
         eng.shutdown()
         report["released"] = placement()
-    elif case == "auto":
-        eng = engine("auto")                               # a caller's thread: never bound
-        report["tokens_equal"] = [r.tokens for r in eng.generate([(p, None, sp) for p in prompts])] == reference
-        report["caller"] = {"health": eng.health()["cpu_binding"], "placement": placement()}
-        eng.start()                                        # the engine's own loop thread: bound
+    elif case == "loop":
+        default = Engine(runner, AdapterRegistry(runner.cfg, 0), EngineConfig(
+            max_num_seqs=4, max_model_len=64, max_prefill_seqs=2, max_num_batched_tokens=64))
+        report["tokens_equal"] = [r.tokens for r in default.generate([(p, None, sp) for p in prompts])] == reference
+        report["caller"] = {"health": default.health()["cpu_binding"], "placement": placement()}
+        eng = engine("on")
+        eng.start()                                        # the engine's own loop thread steps it: bound
         handles = [eng.submit(p, None, sp) for p in prompts]
         for h in handles:
             h.wait(timeout=60)
@@ -110,8 +112,9 @@ def test_split_gives_the_highest_core_to_the_stepping_thread():
 
 
 def test_config_refuses_an_unknown_binding():
-    with pytest.raises(ValueError, match=r"cpu_binding must be one of \('auto', 'on', 'off'\), got 'yes'"):
-        EngineConfig(cpu_binding="yes")
+    assert EngineConfig().cpu_binding == "off"
+    with pytest.raises(ValueError, match=r"cpu_binding must be one of \('off', 'on'\), got 'auto'"):
+        EngineConfig(cpu_binding="auto")
 
 
 needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one usable core: nothing to split")
@@ -137,12 +140,13 @@ def test_on_binds_the_stepping_thread_apart_and_shutdown_puts_every_thread_back(
 
 
 @needs_two
-def test_auto_binds_the_engines_own_loop_thread_never_the_callers():
-    r = run_case("auto")
+def test_the_default_leaves_threads_alone_and_on_binds_the_engines_own_loop_thread():
+    r = run_case("loop")
     host = [max(r["original"])]
     assert r["tokens_equal"] and r["caller"]["health"] == "unbound"
-    assert r["caller"]["placement"]["me"] == r["original"]
+    assert r["caller"]["placement"]["me"] == r["original"] and r["caller"]["placement"]["native"] == [r["original"]]
     assert r["loop"]["health"] == "bound" and r["loop"]["cores"] == host and r["loop"]["tokens_equal"]
+    assert r["loop"]["placement"]["native"] == [[c for c in r["original"] if c not in host]]
     assert r["loop"]["placement"]["me"] == r["original"]              # the caller's thread is left alone
     assert r["released"]["native"] == [r["original"]] and r["released"]["me"] == r["original"]
 
