@@ -231,7 +231,7 @@ def binding_pairs(runner, args, pairs: int, prompts) -> dict:
     """The CPU binding's worth, side by side: one more engine of the first variant (base, the first
     `--steps`, no fusing) with `cpu_binding="off"`, its bursts served and replayed (`paired_bursts`)
     alternately with this thread bound (`ThreadBinding`: a core of its own, the runtime's threads on
-    the others) and unbound. Call it with no other binding held (the engines' shut down)."""
+    the others) and unbound. Call it with no other binding held (the other engines shut down)."""
     from serve.cpu_binding import ThreadBinding
     eng, picks = served_engine(runner, None, args.steps[0], argparse.Namespace(**{**vars(args), "cpu_binding": "off"}))
     rec, binding = Recorder(eng), ThreadBinding()

@@ -10,7 +10,8 @@ the 2-vCPU VM of docs/benchmarks.md section 2 the engine served the tiny model's
 rows) and 1.12x (256 rows) faster bound, and SmolLM2-135M's 0.70x - a compute-bound step on one
 core instead of two. Hence off by default: it pays where the host's work is large next to the step
 and cores are many. vLLM's CPU backend binds its OpenMP threads to chosen cores the same way
-(VLLM_CPU_OMP_THREADS_BIND, reserving cores with VLLM_CPU_NUM_OF_RESERVED_CPU).
+(VLLM_CPU_OMP_THREADS_BIND) and likewise reserves no core for a single rank by default
+(VLLM_CPU_NUM_OF_RESERVED_CPU: 0 when world_size is 1).
 
     binding = ThreadBinding()
     binding.bind()        # from the stepping thread: True once bound (also when this thread already is)
