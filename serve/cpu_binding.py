@@ -143,7 +143,11 @@ def _restore(original, moved=None) -> None:
     """Every thread whose cores are one of `moved` (None: any) back on `original`."""
     if original is None:
         return
-    for tid in map(int, os.listdir("/proc/self/task")):
+    try:
+        tids = list(map(int, os.listdir("/proc/self/task")))
+    except OSError:                                  # no /proc: nothing was moved through it either
+        return
+    for tid in tids:
         try:
             if moved is None or frozenset(os.sched_getaffinity(tid)) in moved:
                 os.sched_setaffinity(tid, original)

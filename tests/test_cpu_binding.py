@@ -37,6 +37,13 @@ SCRIPT = textwrap.dedent(r'''
         def refuse(*a):
             raise PermissionError(1, "Operation not permitted")
         os.sched_setaffinity = refuse
+    if case == "noproc":                                   # /proc not mounted (some sandboxes)
+        listdir = os.listdir
+        def no_proc(path="."):
+            if str(path).startswith("/proc/self/task"):
+                raise FileNotFoundError(2, "No such file or directory", str(path))
+            return listdir(path)
+        os.listdir = no_proc
     runner = ModelRunner(Llama(tiny_config(max_seq_len=256), rngs=nnx.Rngs(0), dtype="float32"))
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 20, 6)]
@@ -48,6 +55,8 @@ SCRIPT = textwrap.dedent(r'''
             cpu_binding=binding))
 
     def placement():
+        if case == "noproc":
+            return "no /proc"
         me, python = threading.get_native_id(), {t.native_id for t in threading.enumerate()}
         out = {"native": set(), "python": set()}
         for tid in map(int, os.listdir("/proc/self/task")):
@@ -61,7 +70,7 @@ SCRIPT = textwrap.dedent(r'''
     original = sorted(os.sched_getaffinity(0))
     reference = [r.tokens for r in engine("off").generate([(p, None, sp) for p in prompts])]
     report = {"original": original, "before": placement()}
-    if case in ("on", "refused"):
+    if case in ("on", "refused", "noproc"):
         eng = engine("on")
         report["tokens_equal"] = [r.tokens for r in eng.generate([(p, None, sp) for p in prompts])] == reference
         report["health"] = eng.health()["cpu_binding"]
@@ -159,3 +168,12 @@ def test_a_refused_binding_serves_unbound_with_one_line():
     assert r["bound"] == r["before"] == r["released"]
     assert r["lines"] == ["WARNING cpu binding unavailable (PermissionError: [Errno 1] Operation not permitted); "
                           "threads are not bound"]
+
+
+@needs_two
+def test_no_proc_serves_unbound_with_one_line():
+    r = run_case("noproc")
+    assert r["tokens_equal"] and r["health"] == "unbound" and r["other"] == {"tokens_equal": True,
+                                                                             "health": "unbound"}
+    assert r["lines"] == ["WARNING cpu binding unavailable (FileNotFoundError: [Errno 2] No such file or "
+                          "directory: '/proc/self/task'); threads are not bound"]
