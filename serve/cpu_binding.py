@@ -51,7 +51,20 @@ def split(cores) -> tuple[frozenset, frozenset] | None:
 def native_threads() -> list[int]:
     """Native ids of this process's threads that Python did not start (the runtime's own)."""
     python = {t.native_id for t in threading.enumerate()}
-    return [tid for tid in map(int, os.listdir("/proc/self/task")) if tid not in python]
+    return [tid for tid in _threads() if tid not in python]
+
+
+def _threads() -> list[int]:
+    """Native ids of every thread of this process (OSError without /proc)."""
+    return list(map(int, os.listdir("/proc/self/task")))
+
+
+def _alive() -> list[int]:
+    """`_threads()`, none without /proc."""
+    try:
+        return _threads()
+    except OSError:
+        return []
 
 
 def _say(line: str, level: int = logging.INFO) -> None:
@@ -140,26 +153,14 @@ def _place(tid: int) -> bool:
 
 
 def _restore(original, moved=None) -> None:
-    """Every thread whose cores are one of `moved` (None: any) back on `original`."""
-    if original is None:
-        return
-    try:
-        tids = list(map(int, os.listdir("/proc/self/task")))
-    except OSError:                                  # no /proc: nothing was moved through it either
-        return
-    for tid in tids:
+    """Every thread whose cores are one of `moved` (None: any) back on `original` (without /proc none:
+    nothing was moved through it either)."""
+    for tid in _alive():
         try:
             if moved is None or frozenset(os.sched_getaffinity(tid)) in moved:
                 os.sched_setaffinity(tid, original)
         except OSError:
             pass
-
-
-def _alive() -> set:
-    try:
-        return set(map(int, os.listdir("/proc/self/task")))
-    except OSError:
-        return set()
 
 
 def _ranges(cores) -> str:
