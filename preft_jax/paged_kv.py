@@ -21,7 +21,7 @@ Attention backends (`PagedBatch.attention`, static):
   paged-attention kernel (`ops.tpu.paged_attention` / `ops.gpu.paged_attention`) reads the rows'
   pages straight from the pool (`kernel_decode_attention`: no per-layer slice of the pool is
   materialized, so a step moves the live context's bytes, not the pool's), splitting long
-  contexts over `k_splits` partitions on GPU (`decode_k_splits`). `choose_attention` falls back to
+  contexts over `k_splits` partitions on GPU (`kernel_layout`). `choose_attention` falls back to
   "gather" for shapes the kernels cannot take. Off their platform (CPU tests) both run the GPU
   kernel in Pallas interpret mode.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 
 import jax
@@ -163,7 +162,7 @@ def write_kv(cache: PagedKVCache, new_k, new_v, write_index) -> PagedKVCache:
 # ------------------------------------------------------------------------------------ kernels
 def kernel_supported(cfg: ModelConfig, block_size: int, pages_per_seq: int, platform: str) -> tuple[bool, str]:
     """Whether jax's Pallas paged-attention kernel for `platform` takes these shapes (and why not)."""
-    hd, groups = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    hd = cfg.head_dim
     if platform == "tpu":
         if hd % 128:
             return False, f"head_dim {hd} is not a multiple of 128"
@@ -204,24 +203,43 @@ def choose_attention(cfg: ModelConfig, block_size: int, platform: str | None = N
     return "kernel:tpu" if platform == "tpu" else "kernel:gpu"
 
 
-def _pages_per_block(pages_per_seq: int, cap: int = 8) -> int:
-    return math.gcd(pages_per_seq, cap) or 1
-
-
 GPU_PROGRAMS_TARGET = 264      # ~2 waves of an H100/H200's 132 SMs: split K until the grid has this many programs
+PAGES_PER_BLOCK = 8            # pages per compute block (128 tokens of 16-token pages: one tile of K/V per step)
 
 
-def decode_k_splits(programs: int, pages_per_seq: int, pages_per_block: int,
-                    target: int = GPU_PROGRAMS_TARGET) -> int:
-    """Split-K partitions of the GPU paged-attention kernel: 1 when `programs` (rows x KV heads)
-    already fill the GPU, else the smallest power of two that brings the grid to `target` programs,
-    capped by the compute blocks per sequence (each partition must hold whole compute blocks). Long
-    contexts at small batch (B=1, 2048 tokens: 8 programs) are then read by many SMs at once."""
-    blocks = max(1, pages_per_seq // pages_per_block)
-    k = 1
-    while programs * k < target and blocks % (2 * k) == 0:
-        k *= 2
-    return k
+@dataclasses.dataclass(frozen=True)
+class KernelLayout:
+    """How the paged-attention kernel walks a block table of `pages` pages per sequence: compute
+    blocks of `pages_per_block` pages, `k_splits` partitions of the sequence (GPU split-K), and the
+    table padded to `width` pages (a multiple of pages_per_block x k_splits; the padding points at
+    the first page, never read past a row's length)."""
+    pages: int
+    width: int
+    pages_per_block: int
+    k_splits: int
+
+
+def kernel_layout(pages: int, programs: int, platform: str, k_splits: int | None = None,
+                  target: int = GPU_PROGRAMS_TARGET) -> KernelLayout:
+    """The `KernelLayout` of a `pages`-wide block table for a grid of `programs` (rows x KV heads).
+
+    Compute blocks are `PAGES_PER_BLOCK` pages (fewer, a power of two, for a narrower table). On GPU
+    (not "tpu") K is split, unless `k_splits` is given, when the programs do not fill the device:
+    the smallest power of two that brings the grid to `target` programs, at most one partition per
+    compute block. Long contexts at small batch (B=1, 2048 tokens: 8 programs) are then read by
+    many SMs at once. Any table width works: an odd one (a context of 2048 tokens + 1 new token is
+    129 pages) is padded rather than read in 1-page blocks with no split. The kernels stop at each
+    row's length, so the padding costs a few table entries, not reads."""
+    pages = max(1, int(pages))
+    ppb = min(PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
+    blocks = -(-pages // ppb)
+    if k_splits is None:
+        k_splits = 1
+        if platform != "tpu":
+            while programs * k_splits < target and 2 * k_splits <= blocks:
+                k_splits *= 2
+    width = ppb * k_splits * -(-blocks // k_splits)
+    return KernelLayout(pages, width, ppb, k_splits)
 
 
 def write_token_layer(pool, layer, new, write_index):
@@ -255,16 +273,17 @@ def kernel_decode_attention(q, k_pool, v_pool, layer, block_tables, lengths, pla
     layer's and head's pages: the kernel reads the pages in place, whatever the layer. Its G = H / KV
     query heads are that row's group (head h uses KV head h // G, as in `gather_attention`).
 
-    platform "gpu": jax's Triton kernel, split-K by `decode_k_splits` unless `k_splits` is given;
-    "tpu": jax's Mosaic kernel. Lowered for another platform (CPU tests) it runs the GPU kernel in
+    The table is read in the `kernel_layout` for its width: compute blocks, split-K (`k_splits`
+    overrides the choice) and its padding. platform "gpu": jax's Triton kernel; "tpu": jax's Mosaic
+    kernel. Lowered for another platform (CPU tests) it runs the GPU kernel in
     Pallas interpret mode."""
     L, KV, NB, bs, hd = k_pool.shape
     R, H, _ = q.shape
     G = H // KV
-    nb = block_tables.shape[1]
-    ppb = _pages_per_block(nb)
-    if k_splits is None:
-        k_splits = decode_k_splits(R * KV, nb, ppb) if platform != "tpu" else 1
+    lay = kernel_layout(block_tables.shape[1], R * KV, platform, k_splits)
+    nb, ppb, k_splits = lay.width, lay.pages_per_block, lay.k_splits
+    if nb > lay.pages:                                                    # entries past every length: never read
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, nb - lay.pages)))
     qs = (q.astype(jnp.float32) * hd ** -0.5).astype(q.dtype)            # the kernels do not scale
     qs = qs.reshape(R * KV, G, hd)
     base = (layer * KV + jnp.arange(KV, dtype=jnp.int32)) * NB             # first page of (layer, head)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from preft_jax.config import ModelConfig, tiny_config
+from preft_jax.config import MODEL_PRESETS, ModelConfig, tiny_config
 from preft_jax.generation import ModelRunner
 from preft_jax.model import Llama
-from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention, decode_k_splits
+from preft_jax.paged_kv import KernelLayout, PagedBatch, PagedKVCache, choose_attention, kernel_layout
 from preft_jax.paged_step import decode_advance, paged_decode_steps, paged_step
 from reference_llama import random_params
 
@@ -107,13 +107,20 @@ def test_decode_advance_write_index():
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
-def test_kernel_attention_matches_gather(platform):
+@pytest.mark.parametrize("ctx, width, layout", [
+    (250, 16, KernelLayout(16, 16, 8, 2)),           # two compute blocks of 8 pages, split-K (k = 2)
+    (130, 9, KernelLayout(9, 16, 8, 2)),             # an odd table: padded to 16 pages, split as well
+    (40, 3, KernelLayout(3, 4, 4, 1)),               # narrower than a block: one block of 4 pages
+])
+def test_kernel_attention_matches_gather(platform, ctx, width, layout):
     """The kernel path (GPU kernel interpreted on CPU: both platforms' default branch) against the
-    gather path, logits and pool; rows of ragged contexts over 16 pages, so split-K runs (k = 2)."""
+    gather path, logits and pool; rows of ragged contexts, the table read in its `kernel_layout`
+    (the interpreted kernel is the GPU one: its split-K runs for both)."""
     cfg = tiny_config(n_layers=2)
     runner = _runner(cfg)
-    tokens, batch, cache = _decode_setup(cfg, R=3, ctx=250, steps=1, seed=1)
-    assert batch.block_tables.shape[1] == 16 and decode_k_splits(3 * cfg.n_kv_heads, 16, 8) == 2
+    tokens, batch, cache = _decode_setup(cfg, R=3, ctx=ctx, steps=1, seed=1)
+    assert batch.block_tables.shape[1] == width
+    assert kernel_layout(width, 3 * cfg.n_kv_heads, "gpu") == layout
     kern = PagedBatch(batch.block_tables, batch.context_lens, batch.chunk_lens, batch.write_index,
                       f"kernel:{platform}")
     model = nnx.merge(runner.graphdef, runner.state)
@@ -132,12 +139,22 @@ def test_kernel_attention_matches_gather(platform):
     assert np.abs(np.asarray(h0)[live] - np.asarray(h)[live]).max() > 1e-2
 
 
-def test_k_splits_choice():
-    # B=64 x 8 KV heads fill an H200: no split; B=1 at 2048 tokens (128 pages of 16, blocks of 8): 16 splits
-    assert decode_k_splits(64 * 8, 128, 8) == 1
-    assert decode_k_splits(1 * 8, 128, 8) == 16
-    assert decode_k_splits(16 * 8, 128, 8) == 4
-    assert decode_k_splits(8, 8, 8) == 1              # one compute block per sequence: nothing to split
+def test_kernel_layout_choice():
+    """8B shape (8 KV heads): B=64 fills an H200's SMs (no split); B=1 at 2048 tokens (128 pages of
+    16, blocks of 8): 16 splits; B=16: 4. The benchmark's tables of 2048 + 1 tokens are 129 pages
+    wide and 128 + 1 tokens 9: padded, not read in 1-page blocks with no split."""
+    assert kernel_layout(128, 64 * 8, "gpu") == KernelLayout(128, 128, 8, 1)
+    assert kernel_layout(128, 1 * 8, "gpu") == KernelLayout(128, 128, 8, 16)
+    assert kernel_layout(128, 16 * 8, "gpu") == KernelLayout(128, 128, 8, 4)
+    assert kernel_layout(8, 8, "gpu") == KernelLayout(8, 8, 8, 1)       # one compute block: nothing to split
+    assert kernel_layout(129, 64 * 8, "gpu") == KernelLayout(129, 136, 8, 1)
+    assert kernel_layout(129, 1 * 8, "gpu") == KernelLayout(129, 256, 8, 16)   # 17 blocks: 16 partitions of 2
+    assert kernel_layout(129, 16 * 8, "gpu") == KernelLayout(129, 160, 8, 4)
+    assert kernel_layout(9, 1 * 8, "gpu") == KernelLayout(9, 16, 8, 2)
+    assert kernel_layout(129, 1 * 8, "tpu") == KernelLayout(129, 136, 8, 1)    # TPU: blocks, no split
+    assert kernel_layout(5, 8, "tpu") == KernelLayout(5, 8, 8, 1)
+    assert kernel_layout(1, 8, "gpu") == KernelLayout(1, 1, 1, 1)
+    assert kernel_layout(129, 8, "gpu", k_splits=2) == KernelLayout(129, 144, 8, 2)   # given: kept, padded
 
 
 LLAMA_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -179,6 +196,25 @@ def test_llama8b_decode_lowers_with_kernel_and_donated_pool(platform, steps):
     pool_args = [a for a in sig.split("%arg")[1:] if "32x8x" in a and "bf16" in a]
     assert len(pool_args) == 2, sig[:2000]                        # k and v pools
     assert all("tf.aliasing_output" in a for a in pool_args)      # donated: updated in place
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("R", [1, 64])
+def test_cuda_decode_lowers_in_its_kernel_layout(model, R):
+    """The device run's decode shapes (context 2048 + 1 token: a 129-page table) lowered for cuda:
+    jax's Triton kernel with compute blocks of 8 pages over the table padded to its
+    `kernel_layout` (B=1: 16 split-K partitions, 256 pages per kernel row; B=64: 136), the pools
+    donated. The Qwen2.5-0.5B shape (head_dim 64, 7 query heads per KV head) takes the kernel too."""
+    cfg = MODEL_PRESETS[model]
+    attention, text = _abstract_decode(cfg, R, 2048, "cuda")
+    assert attention == "kernel:gpu"
+    lay = kernel_layout(129, R * cfg.n_kv_heads, "gpu")
+    assert lay.pages_per_block == 8 and (lay.k_splits > 1) == (R * cfg.n_kv_heads < 264)
+    assert "paged_attention_block_h_16_pages_per_compute_block_8" in text
+    assert f"tensor<{R * cfg.n_kv_heads}x{lay.width}xi32>" in text            # the kernel rows' padded tables
+    sig = _main_signature(text)
+    pool_args = [a for a in sig.split("%arg")[1:] if f"{cfg.n_layers}x{cfg.n_kv_heads}x" in a and "bf16" in a]
+    assert len(pool_args) == 2 and all("tf.aliasing_output" in a for a in pool_args), sig[:2000]
 
 
 def test_decode_attention_env_override(monkeypatch):
