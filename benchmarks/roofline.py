@@ -18,8 +18,9 @@ and min-max over rounds):
   random tokens -> `--engine-tokens` greedy tokens (no stop), after one untimed run;
 * components (`--components`), for one decode case (`--component-case B,context`), by ablation on
   the real step: the sampler (paged_step - paged_logits), the LM head (model.logits alone),
-  attention over the cached context (context - context 0), the KV writes (paged_kv.write_kv
-  alone), the layer stack at context 0 (what is left: projections, MLP, norms), the host time
+  attention over the cached context (context - context 0), the KV writes alone as the step makes
+  them (the gather path: paged_kv.write_kv, one scatter; the kernel path: write_token_layer per
+  layer in a layer scan on the carried pool), the layer stack at context 0 (what is left: projections, MLP, norms), the host time
   between device calls (a paged_step loop vs `paged_decode_steps`: N steps in one call), the
   round trip when the host waits for each step, and pool-size sensitivity (the same live context
   in a pool 4x larger, or 3x or 2x where 4x does not fit the device: a step that copies the pool
@@ -264,7 +265,8 @@ def time_round_robin(cases: dict, rounds: int, round_s: float, log=print, max_it
     Each case is set up (its device arrays made) for its turn and torn down after, so the pools of
     all cases need not fit at once; the first call of each compiles and sizes `iters` (untimed). A
     case whose first calls raise is dropped (with `failed` given: listed there, else re-raised); no
-    round starts after `deadline` (time.perf_counter())."""
+    case is warmed (compiled) and no round starts after `deadline` (time.perf_counter()): a case
+    not warmed by then is dropped and listed as skipped."""
     iters, out = {}, {}
 
     def drop(name, e):
@@ -279,6 +281,11 @@ def time_round_robin(cases: dict, rounds: int, round_s: float, log=print, max_it
         out.pop(name, None)
 
     for name, case in list(cases.items()):
+        if deadline is not None and time.perf_counter() > deadline:      # compiling it would overrun
+            (failed.append if failed is not None else log)(f"{name}: skipped (deadline before its first call)")
+            log(f"  deadline: {name} not warmed")
+            del cases[name]
+            continue
         try:
             case.setup()
             t0 = time.perf_counter()
@@ -511,11 +518,28 @@ def pool_factor(runner, rows: int, context: int, dtype, limit: int | None, facto
                  if over_memory(decode_need(runner, rows, context, dtype, f, resident=resident), limit) is None), None)
 
 
+def kv_writes(attention: str):
+    """(label, jitted fn(cache, new [L, R, 1, KV, hd], write_index [R, 1]) -> cache, the pool donated):
+    a decode step's KV writes alone, as the step with `attention` makes them: the gather path one
+    scatter after the layer scan (`paged_kv.write_kv`), the kernel path each layer's K and V into
+    the carried pool inside the layer scan (`paged_kv.write_token_layer`)."""
+    from preft_jax.paged_kv import PagedKVCache, write_kv, write_token_layer
+    if not attention.startswith("kernel"):
+        return "KV writes (write_kv alone)", jax.jit(lambda c, new, w: write_kv(c, new, new, w), donate_argnums=(0,))
+
+    def layer_writes(cache, new, widx):
+        def body(pools, layer):
+            k, v = pools
+            return (write_token_layer(k, layer, new[layer], widx), write_token_layer(v, layer, new[layer], widx)), None
+        (k, v), _ = jax.lax.scan(body, (cache.k, cache.v), jnp.arange(new.shape[0]))
+        return PagedKVCache(k, v)
+    return "KV writes (write_token_layer per layer, in a layer scan)", jax.jit(layer_writes, donate_argnums=(0,))
+
+
 def component_rows(runner, shape, dtype, case, args, log, deadline: float | None = None) -> list[Row]:
     """Per-component times of one decode case by ablation (see the module docstring). The pool-size
     case takes the largest pool (4x, 3x, 2x the live context's) that fits the device's memory
     (`args.memory_limit`), and is left out when none does."""
-    from preft_jax.paged_kv import write_kv
     from preft_jax.paged_step import paged_logits
     from flax import nnx
     B, ctx = case
@@ -543,15 +567,15 @@ def component_rows(runner, shape, dtype, case, args, log, deadline: float | None
         return Calls(lambda: h0, lambda h: head(h)[:, :cfg.d_model].astype(dtype))
 
     L, KV, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-    kv_write = jax.jit(write_kv, donate_argnums=(0,))
+    _, write_batch, _ = decode_inputs(cfg, B, ctx, dtype)
+    write_label, kv_write = kv_writes(write_batch.attention)
 
     def write_case():
-        _, batch, _ = decode_inputs(cfg, B, ctx, dtype)
         new = jnp.ones((L, B, 1, KV, hd), dtype)
 
         def make():
             return decode_inputs(cfg, B, ctx, dtype)[2]
-        return Calls(make, lambda c: kv_write(c, new, new, batch.write_index))
+        return Calls(make, lambda c: kv_write(c, new, write_batch.write_index))
 
     cases = {
         "step": DecodeLoop(runner, B, ctx, dtype),
@@ -592,7 +616,7 @@ def component_rows(runner, shape, dtype, case, args, log, deadline: float | None
         Row("component", "LM head (alone)", times["LM head alone"], head_bytes, 2 * head_bytes / nbytes * B),
         Row("component", "attention over the context (step - step at context 0)", diff("step", "step, context 0"),
             d["kv_read"] - d0["kv_read"], d["flops"] - d0["flops"]),
-        Row("component", "KV writes (write_kv alone)", times["KV writes alone"], 2 * d["kv_write"]),
+        Row("component", write_label, times["KV writes alone"], 2 * d["kv_write"]),
         Row("component", "layer stack at context 0 (projections, MLP, norms: step at context 0 - LM head - sampler)",
             [c0 - h - max(0.0, sm) for c0, h, sm in zip(times["step, context 0"], times["LM head alone"], sampler)],
             d0["weights"] - head_bytes, d0["flops"] - 2 * head_bytes / nbytes * B),

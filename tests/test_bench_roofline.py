@@ -1,5 +1,7 @@
 """benchmarks/roofline.py runs on the tiny model (a few shapes, every section), its fractions are
 plausible and its bytes figure equals an independent count of the model's weights + KV."""
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
@@ -152,6 +154,65 @@ def test_a_case_failing_in_a_later_round_is_dropped_alone():
     assert failed == ["late: FAIL MemoryError: out of memory in round 2"]
     with pytest.raises(MemoryError):
         rf.time_round_robin({"late": Case(fail_at=5)}, 3, 0.0, lambda s: None, max_iters=1)
+
+
+def test_kv_write_component_makes_the_steps_writes():
+    """The components' KV-write case as each attention path writes: the kernel path's per-layer
+    writes in a layer scan leave the same pool as the gather path's one scatter (random K/V, a
+    dropped padding row), and lowered for cuda the scan takes the pool donated (no copy)."""
+    from preft_jax.config import tiny_config
+    from preft_jax.paged_kv import PagedKVCache
+    cfg = tiny_config(n_layers=3)
+    L, KV, hd, R, NB, bs = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 3, 7, 16
+    rng = np.random.default_rng(5)
+    pool = lambda: PagedKVCache(*(jax.numpy.asarray(rng.normal(size=(L, KV, NB, bs, hd)), np.float32)   # noqa: E731
+                                  for _ in range(2)))
+    new = jax.numpy.asarray(rng.normal(size=(L, R, 1, KV, hd)), np.float32)
+    widx = jax.numpy.asarray([[2 * bs + 5], [5 * bs], [NB * bs]], np.int32)      # the last row: dropped
+    base = pool()
+    want_label, gather = rf.kv_writes("gather")
+    got_label, kernel = rf.kv_writes("kernel:gpu")
+    assert want_label == "KV writes (write_kv alone)" and "write_token_layer" in got_label
+    copy = lambda c: jax.tree.map(lambda x: x.copy(), c)      # noqa: E731  (each call donates its pool)
+    want, got = gather(copy(base), new, widx), kernel(copy(base), new, widx)
+    for g, w, b in ((got.k, want.k, base.k), (got.v, want.v, base.v)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert not np.array_equal(np.asarray(g), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(got.k)[:, :, 2, 5], np.asarray(new)[:, 0, 0])
+    sds = jax.ShapeDtypeStruct
+    text = kernel.trace(PagedKVCache(*(sds((L, KV, NB, bs, hd), jax.numpy.bfloat16),) * 2),
+                        sds((L, R, 1, KV, hd), jax.numpy.bfloat16),
+                        sds((R, 1), np.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    sig = text.split("func.func public @main(", 1)[1].split(") ->", 1)[0]
+    pools = [a for a in sig.split("%arg")[1:] if f"{L}x{KV}x{NB}x" in a]
+    assert len(pools) == 2 and all("tf.aliasing_output" in a for a in pools), sig
+
+
+def test_no_case_is_warmed_after_the_deadline():
+    """time_round_robin: a case whose warm-up (compilation) would start after `deadline` is not set
+    up or called, only listed as skipped; the cases warmed before it keep their round."""
+    class Case:
+        def __init__(self, clock=None):
+            self.calls, self.clock = 0, clock
+
+        def setup(self):
+            pass
+
+        def teardown(self):
+            pass
+
+        def __call__(self, iters):
+            self.calls += 1
+            if self.clock is not None:
+                self.clock[0] += 10.0                   # this case's warm-up passes the deadline
+            return iters
+    now = [100.0]
+    cases = {"first": Case(now), "late": Case()}
+    failed = []
+    with mock.patch.object(rf.time, "perf_counter", lambda: now[0]):
+        times = rf.time_round_robin(cases, 3, 0.0, lambda s: None, max_iters=1, deadline=105.0, failed=failed)
+    assert list(times) == ["first"] and len(times["first"]) == 1 and list(cases) == ["first"]
+    assert failed == ["late: skipped (deadline before its first call)"]
 
 
 def test_run_skips_what_the_device_memory_cannot_hold():
