@@ -102,7 +102,7 @@ class Recorder:
         self.engine, self.calls = engine, []
         self.keep_outputs, self.outputs = keep_outputs, []
         self.stamps = []                      # time.perf_counter() as each call was made
-        engine.step_runner.add_call_hook(self)
+        self.remove = engine.step_runner.add_call_hook(self)       # stops recording
 
     def __call__(self, call, run):
         self.stamps.append(time.perf_counter())

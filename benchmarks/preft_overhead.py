@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -75,20 +76,59 @@ def variants(runner, args) -> dict:
     return out
 
 
-def timed_run(engine, rec, picks, prompts, args) -> dict:
-    """One engine run, then its recorded prefill and decode calls replayed separately."""
-    stats0 = engine.registry.stats.device_misses
-    s = serve(engine, prompts, picks, args.max_tokens)
+def split_calls(engine, rec, wall: float) -> dict:
+    """The calls `rec` recorded over one engine run of `wall` seconds, its prefill calls and its
+    decode calls replayed separately (each back to back on a fresh pool, inputs on the device):
+    the prefill and decode device times, and host = wall - both."""
     calls = rec.staged()
     bank = engine.registry.bank          # a slot write donated the bank earlier calls held: replay on today's
     prefill = [dataclasses.replace(c, bank=bank) if c.bank is not None else c for c in calls if c.chunk > 1]
     decode = [c for c in calls if c.chunk == 1]
     bare_loop(engine, prefill[:1] + decode[:1])                 # untimed: touch the shapes
     t_prefill, t_decode = bare_loop(engine, prefill), bare_loop(engine, decode)
-    return {"tok_per_s": s.tok_per_s, "wall_s": s.wall, "prefill_s": t_prefill, "decode_s": t_decode,
-            "host_s": s.wall - t_prefill - t_decode, "prefill_calls": len(prefill), "decode_calls": len(decode),
-            "decode_calls_with_bank": sum(c.bank is not None for c in decode),
+    return {"wall_s": wall, "prefill_s": t_prefill, "decode_s": t_decode, "host_s": wall - t_prefill - t_decode,
+            "prefill_calls": len(prefill), "decode_calls": len(decode),
+            "decode_calls_with_bank": sum(c.bank is not None for c in decode)}
+
+
+def breakdown(engine, run: Callable[[], float]) -> dict:
+    """`split_calls` of one more `run()` (serves a workload on `engine`, returns its wall seconds),
+    its calls recorded for that run only (scripts/device_check.py: after a serving table's timed
+    runs, on the same engines, so nothing compiles again)."""
+    rec = Recorder(engine)
+    try:
+        wall = run()
+    finally:
+        rec.remove()
+    return split_calls(engine, rec, wall)
+
+
+def timed_run(engine, rec, picks, prompts, args) -> dict:
+    """One engine run, then its recorded prefill and decode calls replayed separately."""
+    stats0 = engine.registry.stats.device_misses
+    s = serve(engine, prompts, picks, args.max_tokens)
+    return {"tok_per_s": s.tok_per_s, **split_calls(engine, rec, s.wall),
             "slot_writes": engine.registry.stats.device_misses - stats0}
+
+
+def breakdown_lines(parts: dict[str, dict]) -> list[str]:
+    """A markdown table of `breakdown`s (label -> parts; "base" first) and each PreFT variant's
+    difference to base by component."""
+    ms = lambda x: f"{x * 1e3:.1f}"                 # noqa: E731
+    out = ["| variant | wall ms | prefill device ms | decode device ms | host ms | prefill / decode calls "
+           "| decode calls with a bank |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for k, p in parts.items():
+        out.append(f"| {k} | {ms(p['wall_s'])} | {ms(p['prefill_s'])} | {ms(p['decode_s'])} | {ms(p['host_s'])} "
+                   f"| {p['prefill_calls']} / {p['decode_calls']} | {p['decode_calls_with_bank']} |")
+    base = parts.get("base")
+    if base is not None:
+        out.append("")
+        for k, p in parts.items():
+            if k != "base":
+                d = {f: (p[f] - base[f]) * 1e3 for f in ("wall_s", "prefill_s", "decode_s", "host_s")}
+                out.append(f"- {k} - base: wall {d['wall_s']:+.1f} ms = prefill {d['prefill_s']:+.1f} "
+                           f"+ decode {d['decode_s']:+.1f} + host {d['host_s']:+.1f}")
+    return out
 
 
 def main(argv=None) -> int:

@@ -85,16 +85,34 @@ class Hardware:
             m = (f"; measured here: stream copy {self.measured_bandwidth / 1e9:.1f} GB/s, matmul "
                  f"{self.measured_peak / 1e12:.3f} TFLOP/s")
         if self.memory:
-            m += f"; device memory for this process {self.memory / GiB:.1f} GiB"
+            m += (f"; {'host memory planned against' if self.device.startswith('cpu') else 'device memory for this process'}"
+                  f" {self.memory / GiB:.1f} GiB")
         return (f"{self.device}: bound from {self.bandwidth / 1e9:.1f} GB/s and {self.peak / 1e12:.3f} TFLOP/s "
                 f"({self.source}){m}")
+
+
+HOST_MEMORY_SHARE = 0.8           # CPU: the share of the host's available memory a run plans against
+
+
+def host_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """CPU "device" memory: HOST_MEMORY_SHARE of the host's available memory now (MemAvailable),
+    None where it cannot be read (then cases are not checked, as before)."""
+    try:
+        with open(meminfo) as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return int(HOST_MEMORY_SHARE * kib * 1024)
 
 
 def device_memory(dev=None) -> int | None:
     """Bytes this process may allocate on `dev` (default: the first device): `memory_stats()`'s
     bytes_limit - on a GPU the share XLA's allocator took (XLA_PYTHON_CLIENT_MEM_FRACTION, 75% by
-    default). None where jax does not report one (CPU)."""
+    default); on CPU `host_memory` (a 24 GiB machine ran out of memory in the components' 4x pool
+    case at B=64, context 2048, when nothing was checked). None where neither is known."""
     dev = dev or jax.devices()[0]
+    if dev.platform == "cpu":
+        return host_memory()
     try:
         stats = dev.memory_stats()
     except Exception:  # noqa: BLE001 - a backend without memory statistics
@@ -157,7 +175,7 @@ def hardware(dtype, bandwidth: float | None = None, peak: float | None = None, m
         bw, source = bandwidth, "--bandwidth/--peak"
     if peak:
         pk, source = peak, "--bandwidth/--peak"
-    return Hardware(f"{dev.platform} / {kind}", bw, pk, mb, mp, source, None if cpu else device_memory(dev))
+    return Hardware(f"{dev.platform} / {kind}", bw, pk, mb, mp, source, device_memory(dev))
 
 
 # --------------------------------------------------------------------------------- the model
@@ -791,7 +809,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-multi", type=int, default=0, help="also time each decode case as N steps per "
                     "call (paged_decode_steps: no host sync between them); 0: off")
     ap.add_argument("--prefill", type=_ints, default=[512, 2048], help="prefill chunk sizes in tokens")
-    ap.add_argument("--prefill-rows", type=int, default=4)
+    ap.add_argument("--prefill-rows", type=int, default=16,
+                    help="rows of a prefill chunk, each on another adapter (an engine's prefill of 16 sequences)")
     ap.add_argument("--adapters", type=int, default=64, help="PreFT-LoRA prefill: adapters in the bank")
     ap.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--engine-requests", type=int, default=64)

@@ -112,6 +112,12 @@ class Variant:
         which on a 24-layer model on a GPU is minutes of compiles per engine."""
         self._serve(self.prompts, self.chosen, self.work.max_tokens)
 
+    def serve_all(self) -> float:
+        """One untimed-by-itself run of the whole workload: its wall seconds (not in `rates`)."""
+        tokens, dt = self._serve(self.prompts, self.chosen, self.work.max_tokens)
+        assert tokens == len(self.prompts) * self.work.max_tokens
+        return dt
+
     def run(self) -> float:
         tokens, dt = self._serve(self.prompts, self.chosen, self.work.max_tokens)
         assert tokens == len(self.prompts) * self.work.max_tokens
@@ -127,10 +133,13 @@ class Variant:
 
 
 def run_serving(runner: ModelRunner, work: Workload, adapter_counts: Sequence[int], *, seed: int = 0,
-                log: Callable[[str], None] = print, deadline: float | None = None):
+                log: Callable[[str], None] = print, deadline: float | None = None,
+                after: Callable[[int, Variant, dict], None] | None = None):
     """Times base + the three adapter variants for each N. Returns (base Variant, [(N, {label: Variant})]).
 
-    With `deadline` (a time.perf_counter() value), N groups that would start after it are skipped."""
+    With `deadline` (a time.perf_counter() value), N groups that would start after it are skipped.
+    `after(N, base, {label: Variant})` runs after each N group's timed runs, its engines still up
+    (scripts/device_check.py breaks PreFT's cost down there)."""
     cfg = runner.cfg
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, work.prompt_len).tolist() for _ in range(work.requests)]
@@ -159,6 +168,8 @@ def run_serving(runner: ModelRunner, work: Workload, adapter_counts: Sequence[in
         for v in variants:
             log(f"  N={n:4d} {v.label:15s} {v.spread()}")
         rows.append((n, {v.label: v for v in variants}))
+        if after is not None:
+            after(n, base, rows[-1][1])
         for v in variants:                       # free the engines' caches and the banks
             v.engine = None
         del variants, lora, reft

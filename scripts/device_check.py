@@ -118,7 +118,7 @@ def make_plan(tiny: bool, models: list[str] | None, adapters: list[int] | None) 
                 head=("llama-3.1-8b", [(64, 128, 0), (64, 128, 8), (64, 2048, 0), (64, 2048, 8)]),
                 second=("qwen2.5-0.5b", [(64, 128, 0), (64, 128, 8), (64, 2048, 0), (64, 2048, 8)]),
                 more=[(1, 128, 0), (16, 128, 0), (256, 128, 0), (1, 2048, 0), (16, 2048, 0), (256, 2048, 0)],
-                prefill=[2048, 512], prefill_rows=4, adapters=64, components=(64, 2048), multi=8, rounds=3,
+                prefill=[2048, 512], prefill_rows=16, adapters=64, components=(64, 2048), multi=8, rounds=3,
                 round_s=0.25, max_kv_gb=90.0)
     train = dict(model="llama-3.1-8b", dtype="bf16", batch=8, seq=1024, prompt_len=256, rank=16)
     return Plan(False, False,
@@ -431,6 +431,18 @@ def _engine_line(label: str, work, base, rep: Report) -> str:
             f"{100 * b / row.t:.2g}% of the roofline")
 
 
+def _breakdown_lines(parts: dict) -> list[str]:
+    """Per N: where PreFT's time over base goes (one more run of each timed engine, its prefill and
+    decode calls replayed apart: `benchmarks.preft_overhead.breakdown`)."""
+    from benchmarks.preft_overhead import breakdown_lines
+    out = []
+    for n, p in parts.items():
+        out += [f"PreFT vs base broken down, N={n} (one run each, its calls replayed: prefill and decode "
+                f"device time, host = wall - both):", ""]
+        out += ["skipped (budget)", ""] if p is None else [*breakdown_lines(p), ""]
+    return out
+
+
 def serving(plan: Plan, rep: Report, backend: str):
     from flax import nnx
 
@@ -451,9 +463,19 @@ def serving(plan: Plan, rep: Report, backend: str):
             model = Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, adapter_backend=backend)
             runner = ModelRunner(model)
             del model
-            log = []
+            log, parts = [], {}
+
+            def split(n, base, variants, parts=parts):
+                """PreFT's cost over base broken down on the timed engines (issue 25.4)."""
+                if rep.over_budget():
+                    parts[n] = None
+                    return
+                from benchmarks.preft_overhead import breakdown
+                parts[n] = {"base": breakdown(base.engine, base.serve_all),
+                            **{k: breakdown(variants[k].engine, variants[k].serve_all)
+                               for k in ("PreFT-LoRA", "PreFT-ReFT")}}
             base, rows = run_serving(runner, work, plan.serving_counts, deadline=rep.section_deadline,
-                                     log=lambda s: (print(s, flush=True), log.append(s)))
+                                     log=lambda s: (print(s, flush=True), log.append(s)), after=split)
             rep.summary.append(_engine_line(label, work, base, rep))
             lines += [f"### {label} (random weights, bfloat16, adapter backend `{runner.adapter_backend}`)", "",
                       f"{L} layers, d={cfg.d_model}, {cfg.n_heads}/{cfg.n_kv_heads} heads of {cfg.head_dim}, "
@@ -463,6 +485,7 @@ def serving(plan: Plan, rep: Report, backend: str):
                       f"round-robin runs; LoRA {'/'.join(work.lora_targets)} r={work.lora_rank}, LoReFT "
                       f"r={work.reft_rank} on layers {work.reft_layers}. Section time "
                       f"{time.perf_counter() - t0:.0f} s.", "", *table(base, rows), "",
+                      *_breakdown_lines(parts),
                       "<details><summary>log</summary>", "", "```", *log, "```", "</details>", ""]
             del runner
         except Exception as e:               # noqa: BLE001
@@ -650,7 +673,7 @@ def main(argv=None) -> int:
                   f"- mode: {'tiny shapes, Pallas interpret mode (a smoke run, not a measurement)' if tiny else 'full shapes, compiled kernels'}",
                   f"- adapter backend `auto` resolves to `{resolve_backend('auto', platform)}` here; Pallas kernels "
                   f"{'lower' if pallas_lowers_on(platform) else 'do not lower'} on {platform}",
-                  f"- {rep.hardware.line()}" + ("" if rep.hardware.memory is None else
+                  f"- {rep.hardware.line()}" + ("" if rep.hardware.memory is None or platform == "cpu" else
                                                  f" ({MEM_FRACTION_ENV}={os.environ[MEM_FRACTION_ENV]}"
                                                  f"{'' if fraction_chosen else ', set by this script'})"),
                   f"- compilation cache: {cache or 'off'}"]

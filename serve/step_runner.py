@@ -524,11 +524,21 @@ class StepRunner:
         return native_decode.pack(nnx.merge(self.model.graphdef, self.model.state))
 
     # ---- calls -----------------------------------------------------------------------------
-    def add_call_hook(self, hook: Callable[[StepCall, Callable[[StepCall], object]], object]) -> None:
+    def add_call_hook(self, hook: Callable[[StepCall, Callable[[StepCall], object]], object]) -> Callable[[], None]:
         """Wraps every `paged_step` call of this runner: hook(call, run) must return run(call) (or
-        raise). Benchmarks record calls with it, tests inject failures."""
+        raise). Benchmarks record calls with it, tests inject failures. Returns the hook's removal
+        (hooks come off in the reverse order of adding)."""
         inner = self._run
-        self._run = lambda call: hook(call, inner)
+
+        def wrapped(call):
+            return hook(call, inner)
+        self._run = wrapped
+
+        def remove() -> None:
+            if self._run is not wrapped:
+                raise RuntimeError("call hooks are removed in the reverse order of adding")
+            self._run = inner
+        return remove
 
     def run(self, call: StepCall):
         """Dispatches one call on this runner's pool (asynchronously): its device output."""

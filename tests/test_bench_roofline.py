@@ -188,6 +188,25 @@ def test_kv_write_component_makes_the_steps_writes():
     assert len(pools) == 2 and all("tf.aliasing_output" in a for a in pools), sig
 
 
+def test_cpu_plans_against_the_hosts_available_memory(tmp_path):
+    """On CPU the cases are checked against HOST_MEMORY_SHARE of MemAvailable (a 24 GiB machine ran
+    out of memory in the components' 4x pool case unchecked); unreadable: None, unchecked."""
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    assert rf.host_memory(str(info)) == int(0.8 * 20000000 * 1024)
+    info.write_text("MemTotal:       24000000 kB\n")
+    assert rf.host_memory(str(info)) is None
+    assert rf.host_memory(str(tmp_path / "missing")) is None
+    hw = rf.hardware(np.float32, bandwidth=1e10, peak=1e11, measure=False)
+    assert hw.memory == rf.device_memory() and (hw.memory is None or hw.memory > 0)
+    if hw.memory:
+        assert f"host memory planned against {hw.memory / rf.GiB:.1f} GiB" in hw.line()
+    # what the 24 GiB machine's run needed: the components' pool 4x the live context at B=64,
+    # context 2048 (SmolLM2-135M, float32) is refused at 16 GiB, 2x taken
+    runner, _ = rf.build("smollm2-135m", np.float32)
+    assert rf.pool_factor(runner, 64, 2048, np.float32, 16 * rf.GiB) == 2
+
+
 def test_no_case_is_warmed_after_the_deadline():
     """time_round_robin: a case whose warm-up (compilation) would start after `deadline` is not set
     up or called, only listed as skipped; the cases warmed before it keep their round."""

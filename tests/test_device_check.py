@@ -45,6 +45,13 @@ def test_device_check_prepared_run_dry(tmp_path):
     # the tiny model's backward is within its timing noise under load (a dry run measured -0.08x once)
     assert re.search(r"^tiny grpo: backward / forward = -?[\d.]+x \(per round -?[\d.]+--?[\d.]+x", figures, re.M)
     assert "| 2 |" in text and "PreFT-ReFT / all-token" in text      # the serving table has its N=2 row
+    # PreFT's cost over base broken down on the timed engines (issue 25.4): PreFT decodes on the base
+    # weights, so no decode call carries a bank
+    assert "PreFT vs base broken down, N=2" in text
+    for k in ("base", "PreFT-LoRA", "PreFT-ReFT"):
+        assert re.search(rf"^\| {k} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| \d+ / \d+ \| 0 \|$", text, re.M), k
+    assert re.search(r"^- PreFT-LoRA - base: wall [+-][\d.]+ ms = prefill [+-][\d.]+ \+ decode [+-][\d.]+ "
+                     r"\+ host [+-][\d.]+$", text, re.M)
 
 
 @pytest.mark.slow
