@@ -278,3 +278,26 @@ def test_engine_prefill_call_and_handoff_lower_with_donated_pool(platform):
     assert len(pool_args) == 2 and all("tf.aliasing_output" in a for a in pool_args)
     hand = handoff_tokens.trace(sds((P,), i32), sds((R,), i32)).lower(lowering_platforms=(platform,)).as_text()
     assert re.search(r"@main\(%arg0: tensor<16xi32>, %arg1: tensor<64xi32>\) -> \(tensor<64xi32>", hand)
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_compiled_cpu_decode_updates_the_pool_in_place(steps):
+    """The engine's decode call (the rows' buffer; 1 step or 4 fused) compiled for this CPU: both
+    pools alias outputs (XLA's buffer assignment, not only the donation asked for in the lowering)
+    and no temporary buffer could hold a copy of either pool (temp bytes < one pool's)."""
+    from serve.step_runner import BLOCKS, decode_step
+    cfg = tiny_config(n_layers=2)
+    model = Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, adapter_backend="xla")
+    graphdef, state = nnx.split(model)
+    R, nb, NB = 4, 4, 1024                                    # a pool far larger than anything else
+    pool = jax.ShapeDtypeStruct((cfg.n_layers, cfg.n_kv_heads, NB, BS, cfg.head_dim), jnp.float32)
+    tree, leaves = jax.tree_util.tree_structure(state), tuple(jax.tree_util.tree_leaves(state))
+    compiled = decode_step(graphdef, state_tree=tree).trace(
+        leaves, jax.ShapeDtypeStruct((R, BLOCKS + nb), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
+        PagedKVCache(pool, pool), None, None, attention="gather", logprobs=False, steps=steps).lower().compile()
+    mem = compiled.memory_analysis()
+    pool_bytes = int(np.prod(pool.shape)) * 4
+    assert mem.alias_size_in_bytes >= 2 * pool_bytes
+    assert mem.temp_size_in_bytes < pool_bytes, (mem.temp_size_in_bytes, pool_bytes)
+    alias = re.search(r"input_output_alias=\{(.*?)\}, entry", compiled.as_text()).group(1)
+    assert alias.count("may-alias") == 2
