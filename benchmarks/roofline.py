@@ -507,8 +507,8 @@ def engine_row(runner, shape, dtype, args, log) -> Row:
     row = Row("engine", f"engine {R} requests x {P} -> {G} tokens", times,
               bytes=sum(d["bytes"] for d in dec), flops=pre["flops"] + sum(d["flops"] for d in dec), batch=R,
               context=P)
-    row.note = (f"{R * G / row.t:.1f} tok/s; decode attention {getattr(eng, 'decode_attention', '?')}"
-                + (", native CPU decode" if getattr(eng, "native", None) is not None else ""))
+    row.note = (f"{R * G / row.t:.1f} tok/s; decode attention {eng.step_runner.decode_attention}"
+                + (", native CPU decode" if eng.step_runner.native is not None else ""))
     row.prefill_flops = pre["flops"]
     return row
 

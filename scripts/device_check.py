@@ -106,8 +106,11 @@ class Plan:
 
 def make_plan(tiny: bool, models: list[str] | None, adapters: list[int] | None) -> Plan:
     if tiny:
-        roof = dict(dtype="f32", head=("tiny", [(4, 16, 0), (4, 16, 2)]), second=None, more=[], prefill=[32],
-                    prefill_rows=2, adapters=3, components=None, multi=2, rounds=2, round_s=0.02, max_kv_gb=1.0)
+        # every path of the full plan at tiny sizes: a second model (one on the device at a time),
+        # more decode cases, the components and the op trace
+        roof = dict(dtype="f32", head=("tiny", [(4, 16, 0), (4, 16, 2)]), second=("smollm2-135m", [(2, 16, 0)]),
+                    more=[(1, 16, 0)], prefill=[32], prefill_rows=2, adapters=3, components=(4, 16), multi=2,
+                    rounds=2, round_s=0.02, max_kv_gb=1.0)
         train = dict(model="tiny", dtype="f32", batch=2, seq=32, prompt_len=8, rank=4)
         return Plan(True, True, (("tiny", 24, 6, 32, 48, 4, 5),), ("float32",), (("tiny", 64),), (24, 4), (2,), 1, 1,
                     (("tiny", TINY),), dict(slots=2, requests=2, prefill_batch=2, prompt_len=4, max_tokens=2,
@@ -657,8 +660,8 @@ def main(argv=None) -> int:
         from preft_jax.cache.compilation import enable_compilation_cache
         try:
             cache = enable_compilation_cache()
-        except OSError as e:                  # unwritable home: run without it
-            print(f"compilation cache off: {e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - unwritable home, or a cache option this jax lacks: run without it
+            print(f"compilation cache off: {type(e).__name__}: {e}", flush=True)
     plan = make_plan(tiny, args.models.split(",") if args.models else None,
                      [int(n) for n in args.adapters.split(",")] if args.adapters else None)
     rep = Report(pathlib.Path(args.out), args.budget_s or (600.0 if tiny else 330.0))

@@ -20,6 +20,8 @@ def test_roofline_tiny_smoke():
     rows = res["rows"]
     assert [r.kind for r in rows].count("decode") == 4 and [r.kind for r in rows].count("prefill") == 2
     assert [r.kind for r in rows].count("engine") == 1
+    engine = next(r for r in rows if r.kind == "engine")
+    assert "tok/s; decode attention gather" in engine.note           # the engine's own path, read from it
     hw = res["hardware"]
     assert hw.bandwidth > 1e8 and hw.peak > 1e8                     # measured here
     for r in rows:

@@ -39,6 +39,11 @@ def test_device_check_prepared_run_dry(tmp_path):
     assert re.search(r"^tiny f32 decode B=4 context 16: [\d.]+ ms \(bound [\d.]+ ms\): \d+% of (memory bound|peak "
                      r"FLOPs)$", figures, re.M)
     assert re.search(r"^tiny f32 decode B=4 context 16, 2 steps per call: ", figures, re.M)
+    assert re.search(r"^tiny f32 decode B=1 context 16: ", figures, re.M)                 # the further cases
+    assert re.search(r"^SmolLM2-135M f32 decode B=2 context 16: ", figures, re.M)          # the second model
+    assert "tiny decode step at B=4, context 16, by component" in text                    # components
+    assert "| host time between device calls" in text
+    assert "| op (host threads; decode B=4 context 16) | ms per step | calls per step |" in text      # the op trace
     assert re.search(r"^tiny f32 prefill 32 tokens \(2 x 16\) PreFT-LoRA N=3: ", figures, re.M)
     assert "tiny serving base, 2 requests x 4 -> 2 tokens" in figures and "of the roofline" in figures
     assert re.search(r"^tiny f32 sft step \(SFTTrainer.step\), batch 2 x seq 32: \d+ ms, MFU \d+%$", figures, re.M)

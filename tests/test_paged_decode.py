@@ -280,11 +280,15 @@ def test_engine_prefill_call_and_handoff_lower_with_donated_pool(platform):
     assert re.search(r"@main\(%arg0: tensor<16xi32>, %arg1: tensor<64xi32>\) -> \(tensor<64xi32>", hand)
 
 
+@pytest.mark.parametrize("attention", ["gather", "kernel:gpu"])
 @pytest.mark.parametrize("steps", [1, 4])
-def test_compiled_cpu_decode_updates_the_pool_in_place(steps):
-    """The engine's decode call (the rows' buffer; 1 step or 4 fused) compiled for this CPU: both
-    pools alias outputs (XLA's buffer assignment, not only the donation asked for in the lowering)
-    and no temporary buffer could hold a copy of either pool (temp bytes < one pool's)."""
+def test_compiled_cpu_decode_updates_the_pool_in_place(steps, attention):
+    """The engine's decode call (the rows' buffer; 1 step or 4 fused) compiled for this CPU, on the
+    gather path and on the kernel path (the pool carried through the layer scan and written layer by
+    layer; the GPU kernel interpreted): both pools alias outputs (XLA's buffer assignment, not only
+    the donation asked for in the lowering) and no temporary buffer could hold a copy of either pool
+    (temp bytes < one pool's). (A 1-layer model does copy both pools on the gather path: XLA drops
+    the one-trip layer loop and then copies the pool it gathers from before scattering into it.)"""
     from serve.step_runner import BLOCKS, decode_step
     cfg = tiny_config(n_layers=2)
     model = Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, adapter_backend="xla")
@@ -294,7 +298,7 @@ def test_compiled_cpu_decode_updates_the_pool_in_place(steps):
     tree, leaves = jax.tree_util.tree_structure(state), tuple(jax.tree_util.tree_leaves(state))
     compiled = decode_step(graphdef, state_tree=tree).trace(
         leaves, jax.ShapeDtypeStruct((R, BLOCKS + nb), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
-        PagedKVCache(pool, pool), None, None, attention="gather", logprobs=False, steps=steps).lower().compile()
+        PagedKVCache(pool, pool), None, None, attention=attention, logprobs=False, steps=steps).lower().compile()
     mem = compiled.memory_analysis()
     pool_bytes = int(np.prod(pool.shape)) * 4
     assert mem.alias_size_in_bytes >= 2 * pool_bytes
