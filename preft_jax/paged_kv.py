@@ -212,7 +212,8 @@ class KernelLayout:
     """How the paged-attention kernel walks a block table of `pages` pages per sequence: compute
     blocks of `pages_per_block` pages, `k_splits` partitions of the sequence (GPU split-K), and the
     table padded to `width` pages (a multiple of pages_per_block x k_splits; the padding points at
-    the first page, never read past a row's length)."""
+    the layer's and head's first page: the kernels load no compute block past a row's length, and
+    mask what a row's last block loads past it)."""
     pages: int
     width: int
     pages_per_block: int
@@ -225,18 +226,22 @@ def kernel_layout(pages: int, programs: int, platform: str, k_splits: int | None
 
     Compute blocks are `PAGES_PER_BLOCK` pages (fewer, a power of two, for a narrower table). On GPU
     (not "tpu") K is split, unless `k_splits` is given, when the programs do not fill the device:
-    the smallest power of two that brings the grid to `target` programs, at most one partition per
-    compute block. Long contexts at small batch (B=1, 2048 tokens: 8 programs) are then read by
-    many SMs at once. Any table width works: an odd one (a context of 2048 tokens + 1 new token is
-    129 pages) is padded rather than read in 1-page blocks with no split. The kernels stop at each
-    row's length, so the padding costs a few table entries, not reads."""
-    pages = max(1, int(pages))
+    the smallest power of two that brings the grid to `target` programs or gives every compute
+    block its own partition. Long contexts at small batch (B=1, 2048 tokens: 8 programs) are then
+    read by many SMs at once. Any table width works: an odd one (a context of 2048 tokens + 1 new
+    token is 129 pages) is padded rather than read in 1-page blocks with no split. A partition past
+    a row's length loads nothing, so the padding costs table entries and empty programs, not reads."""
+    pages = int(pages)
+    if pages < 1:
+        raise ValueError(f"a block table of {pages} pages: the kernel needs at least one")
+    if k_splits is not None and k_splits < 1:
+        raise ValueError(f"k_splits must be >= 1, got {k_splits}")
     ppb = min(PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
     blocks = -(-pages // ppb)
     if k_splits is None:
         k_splits = 1
         if platform != "tpu":
-            while programs * k_splits < target and 2 * k_splits <= blocks:
+            while programs * k_splits < target and k_splits < blocks:
                 k_splits *= 2
     width = ppb * k_splits * -(-blocks // k_splits)
     return KernelLayout(pages, width, ppb, k_splits)
@@ -282,7 +287,7 @@ def kernel_decode_attention(q, k_pool, v_pool, layer, block_tables, lengths, pla
     G = H // KV
     lay = kernel_layout(block_tables.shape[1], R * KV, platform, k_splits)
     nb, ppb, k_splits = lay.width, lay.pages_per_block, lay.k_splits
-    if nb > lay.pages:                                                    # entries past every length: never read
+    if nb > lay.pages:                                                    # entries past every row's length
         block_tables = jnp.pad(block_tables, ((0, 0), (0, nb - lay.pages)))
     qs = (q.astype(jnp.float32) * hd ** -0.5).astype(q.dtype)            # the kernels do not scale
     qs = qs.reshape(R * KV, G, hd)

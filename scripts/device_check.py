@@ -442,7 +442,8 @@ def _breakdown_lines(parts: dict) -> list[str]:
     for n, p in parts.items():
         out += [f"PreFT vs base broken down, N={n} (one run each, its calls replayed: prefill and decode "
                 f"device time, host = wall - both):", ""]
-        out += ["skipped (budget)", ""] if p is None else [*breakdown_lines(p), ""]
+        out += (["skipped (budget)", ""] if p is None else [p, ""] if isinstance(p, str)
+                else [*breakdown_lines(p), ""])
     return out
 
 
@@ -469,14 +470,19 @@ def serving(plan: Plan, rep: Report, backend: str):
             log, parts = [], {}
 
             def split(n, base, variants, parts=parts):
-                """PreFT's cost over base broken down on the timed engines (issue 25.4)."""
+                """PreFT's cost over base broken down on the timed engines (issue 25.4); a failure
+                here is reported in its place, the timed table kept."""
                 if rep.over_budget():
                     parts[n] = None
                     return
                 from benchmarks.preft_overhead import breakdown
-                parts[n] = {"base": breakdown(base.engine, base.serve_all),
-                            **{k: breakdown(variants[k].engine, variants[k].serve_all)
-                               for k in ("PreFT-LoRA", "PreFT-ReFT")}}
+                try:
+                    parts[n] = {"base": breakdown(base.engine, base.serve_all),
+                                **{k: breakdown(variants[k].engine, variants[k].serve_all)
+                                   for k in ("PreFT-LoRA", "PreFT-ReFT")}}
+                except Exception as e:       # noqa: BLE001
+                    traceback.print_exc()
+                    parts[n] = f"FAIL: {_err(e)}"
             base, rows = run_serving(runner, work, plan.serving_counts, deadline=rep.section_deadline,
                                      log=lambda s: (print(s, flush=True), log.append(s)), after=split)
             rep.summary.append(_engine_line(label, work, base, rep))
@@ -582,6 +588,8 @@ def roofline_section(plan: Plan, rep: Report):
             continue
         try:
             fn()
+        except rf.DeadlineSkipped as e:           # the budget ran out mid-way: not a failure
+            notes.append(f"{what}: skipped (budget): {e}")
         except Exception as e:                    # noqa: BLE001  (report, keep going)
             traceback.print_exc()
             notes.append(f"{what}: FAIL {_err(e)}")

@@ -29,9 +29,10 @@ def _runner(cfg=CFG):
     return ModelRunner(Llama.from_params(cfg, random_params(cfg, seed=3)))
 
 
-def _decode_setup(cfg, R, ctx, steps, seed=0, pad_rows=1, attention="gather"):
-    """R rows (the last `pad_rows` of them padding) with `ctx` random cached tokens each, block tables
-    covering ctx + steps positions; the pool filled with random K/V. Returns (tokens, batch, cache)."""
+def _decode_setup(cfg, R, ctx, steps, seed=0, pad_rows=1, attention="gather", lens=None):
+    """R rows (the last `pad_rows` of them padding) with `ctx` random cached tokens each (`lens`: each
+    live row's own), block tables covering ctx + steps positions; the pool filled with random K/V.
+    Returns (tokens, batch, cache)."""
     rng = np.random.default_rng(seed)
     nb = -(-(ctx + steps) // BS)
     NB = R * nb + 1
@@ -40,6 +41,8 @@ def _decode_setup(cfg, R, ctx, steps, seed=0, pad_rows=1, attention="gather"):
     live = R - pad_rows
     bt[:live] = perm[:live * nb].reshape(live, nb)
     ctx_lens = np.where(np.arange(R) < live, ctx - np.arange(R), 0).astype(np.int32)   # ragged contexts
+    if lens is not None:
+        ctx_lens[:live] = lens
     clen = (np.arange(R) < live).astype(np.int32)
     widx = np.full((R, 1), NB * BS, np.int32)
     for r in range(live):
@@ -107,20 +110,22 @@ def test_decode_advance_write_index():
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
-@pytest.mark.parametrize("ctx, width, layout", [
-    (250, 16, KernelLayout(16, 16, 8, 2)),           # two compute blocks of 8 pages, split-K (k = 2)
-    (130, 9, KernelLayout(9, 16, 8, 2)),             # an odd table: padded to 16 pages, split as well
-    (40, 3, KernelLayout(3, 4, 4, 1)),               # narrower than a block: one block of 4 pages
+@pytest.mark.parametrize("ctx, lens, width, layout", [
+    (250, None, 16, KernelLayout(16, 16, 8, 2)),     # two compute blocks of 8 pages, split-K (k = 2)
+    (130, [130, 100], 9, KernelLayout(9, 16, 8, 2)),  # an odd table padded to 16 pages, split as well;
+                                                      # the second row ends in the first partition
+    (40, None, 3, KernelLayout(3, 4, 4, 1)),         # narrower than a block: one block of 4 pages
 ])
-def test_kernel_attention_matches_gather(platform, ctx, width, layout):
-    """The kernel path (GPU kernel interpreted on CPU: both platforms' default branch) against the
-    gather path, logits and pool; rows of ragged contexts, the table read in its `kernel_layout`
-    (the interpreted kernel is the GPU one: its split-K runs for both)."""
+def test_kernel_attention_matches_gather(platform, ctx, lens, width, layout):
+    """The kernel path (the GPU kernel interpreted on CPU: both platforms' default branch, in the
+    platform's `kernel_layout`: split-K on "gpu", none on "tpu") against the gather path, logits and
+    pool; rows of ragged contexts, one of them ending before a partition that then loads nothing."""
     cfg = tiny_config(n_layers=2)
     runner = _runner(cfg)
-    tokens, batch, cache = _decode_setup(cfg, R=3, ctx=ctx, steps=1, seed=1)
+    tokens, batch, cache = _decode_setup(cfg, R=3, ctx=ctx, steps=1, seed=1, lens=lens)
     assert batch.block_tables.shape[1] == width
     assert kernel_layout(width, 3 * cfg.n_kv_heads, "gpu") == layout
+    assert kernel_layout(width, 3 * cfg.n_kv_heads, "tpu").k_splits == 1
     kern = PagedBatch(batch.block_tables, batch.context_lens, batch.chunk_lens, batch.write_index,
                       f"kernel:{platform}")
     model = nnx.merge(runner.graphdef, runner.state)
@@ -141,20 +146,25 @@ def test_kernel_attention_matches_gather(platform, ctx, width, layout):
 
 def test_kernel_layout_choice():
     """8B shape (8 KV heads): B=64 fills an H200's SMs (no split); B=1 at 2048 tokens (128 pages of
-    16, blocks of 8): 16 splits; B=16: 4. The benchmark's tables of 2048 + 1 tokens are 129 pages
+    16, blocks of 8): 16 splits, one block each; B=16: 4. The benchmark's tables of 2048 + 1 tokens are 129 pages
     wide and 128 + 1 tokens 9: padded, not read in 1-page blocks with no split."""
     assert kernel_layout(128, 64 * 8, "gpu") == KernelLayout(128, 128, 8, 1)
     assert kernel_layout(128, 1 * 8, "gpu") == KernelLayout(128, 128, 8, 16)
     assert kernel_layout(128, 16 * 8, "gpu") == KernelLayout(128, 128, 8, 4)
     assert kernel_layout(8, 8, "gpu") == KernelLayout(8, 8, 8, 1)       # one compute block: nothing to split
     assert kernel_layout(129, 64 * 8, "gpu") == KernelLayout(129, 136, 8, 1)
-    assert kernel_layout(129, 1 * 8, "gpu") == KernelLayout(129, 256, 8, 16)   # 17 blocks: 16 partitions of 2
+    assert kernel_layout(129, 1 * 8, "gpu") == KernelLayout(129, 256, 8, 32)   # 17 blocks: one per partition
     assert kernel_layout(129, 16 * 8, "gpu") == KernelLayout(129, 160, 8, 4)
     assert kernel_layout(9, 1 * 8, "gpu") == KernelLayout(9, 16, 8, 2)
     assert kernel_layout(129, 1 * 8, "tpu") == KernelLayout(129, 136, 8, 1)    # TPU: blocks, no split
     assert kernel_layout(5, 8, "tpu") == KernelLayout(5, 8, 8, 1)
     assert kernel_layout(1, 8, "gpu") == KernelLayout(1, 1, 1, 1)
     assert kernel_layout(129, 8, "gpu", k_splits=2) == KernelLayout(129, 144, 8, 2)   # given: kept, padded
+    assert kernel_layout(512, 8, "gpu") == KernelLayout(512, 512, 8, 64)      # B=1 at 8192 tokens
+    with pytest.raises(ValueError, match=r"^a block table of 0 pages: the kernel needs at least one$"):
+        kernel_layout(0, 8, "gpu")
+    with pytest.raises(ValueError, match=r"^k_splits must be >= 1, got 0$"):
+        kernel_layout(9, 8, "gpu", k_splits=0)
 
 
 LLAMA_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -203,7 +213,7 @@ def test_llama8b_decode_lowers_with_kernel_and_donated_pool(platform, steps):
 def test_cuda_decode_lowers_in_its_kernel_layout(model, R):
     """The device run's decode shapes (context 2048 + 1 token: a 129-page table) lowered for cuda:
     jax's Triton kernel with compute blocks of 8 pages over the table padded to its
-    `kernel_layout` (B=1: 16 split-K partitions, 256 pages per kernel row; B=64: 136), the pools
+    `kernel_layout` (8B at B=1: 32 split-K partitions, 256 pages per kernel row; B=64: 136), the pools
     donated. The Qwen2.5-0.5B shape (head_dim 64, 7 query heads per KV head) takes the kernel too."""
     cfg = MODEL_PRESETS[model]
     attention, text = _abstract_decode(cfg, R, 2048, "cuda")
