@@ -460,7 +460,9 @@ def _prefill_case(runner, T, rows, dtype, adapters: int):
     bt = (1 + np.arange(rows * nb, dtype=np.int32)).reshape(rows, nb)
     pos = np.arange(C)
     widx = (bt[:, pos // BLOCK] * BLOCK + pos % BLOCK).astype(np.int32)
-    batch = PagedBatch(jnp.asarray(bt), jnp.zeros((rows,), jnp.int32), jnp.full((rows,), C, jnp.int32),
+    # no cached context: the table the chunk attends through is one block wide, as the engine's first
+    # chunk's (its width follows the context, not the chunk; the writes go through write_index)
+    batch = PagedBatch(jnp.asarray(bt[:, :1]), jnp.zeros((rows,), jnp.int32), jnp.full((rows,), C, jnp.int32),
                        jnp.asarray(widx), "gather")
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (rows, C)), jnp.int32)
     temp, top_p, top_k, key = greedy_rows(rows)
