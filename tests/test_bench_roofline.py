@@ -130,25 +130,33 @@ def test_components_pool_case_fits_the_memory_and_may_fail_alone(monkeypatch):
         rf.component_rows(runner, shape, np.float32, (2, 32), args, lambda s: None)
 
 
+class FakeCase:
+    """A time_round_robin case: counts its calls; raises MemoryError from call `fail_at` on; moves
+    the fake `clock` ([seconds]) 10 s per call."""
+
+    def __init__(self, fail_at=None, clock=None):
+        self.calls, self.fail_at, self.clock = 0, fail_at, clock
+
+    def setup(self):
+        pass
+
+    def teardown(self):
+        pass
+
+    def __call__(self, iters):
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise MemoryError("out of memory in round 2")
+        if self.clock is not None:
+            self.clock[0] += 10.0
+        return iters
+
+
 def test_a_case_failing_in_a_later_round_is_dropped_alone():
     """time_round_robin: a case that passes its first calls and raises in a timed round (a device
     running out of memory later) is listed in `failed` and left out, rounds done included; the
     others keep every round."""
-    class Case:
-        def __init__(self, fail_at=None):
-            self.calls, self.fail_at = 0, fail_at
-
-        def setup(self):
-            pass
-
-        def teardown(self):
-            pass
-
-        def __call__(self, iters):
-            self.calls += 1
-            if self.fail_at is not None and self.calls >= self.fail_at:
-                raise MemoryError("out of memory in round 2")
-            return iters
+    Case = FakeCase
     cases = {"ok": Case(), "late": Case(fail_at=5)}            # 2 warm-up calls, then 2 per round
     failed = []
     times = rf.time_round_robin(cases, 3, 0.0, lambda s: None, max_iters=1, failed=failed)
@@ -222,23 +230,9 @@ def test_components_past_their_deadline_are_skipped_not_failed():
 def test_no_case_is_warmed_after_the_deadline():
     """time_round_robin: a case whose warm-up (compilation) would start after `deadline` is not set
     up or called, only listed as skipped; the cases warmed before it keep their round."""
-    class Case:
-        def __init__(self, clock=None):
-            self.calls, self.clock = 0, clock
-
-        def setup(self):
-            pass
-
-        def teardown(self):
-            pass
-
-        def __call__(self, iters):
-            self.calls += 1
-            if self.clock is not None:
-                self.clock[0] += 10.0                   # this case's warm-up passes the deadline
-            return iters
+    Case = FakeCase
     now = [100.0]
-    cases = {"first": Case(now), "late": Case()}
+    cases = {"first": Case(clock=now), "late": Case()}        # the first one's warm-up passes the deadline
     failed = []
     with mock.patch.object(rf.time, "perf_counter", lambda: now[0]):
         times = rf.time_round_robin(cases, 3, 0.0, lambda s: None, max_iters=1, deadline=105.0, failed=failed)
