@@ -15,7 +15,7 @@ def engines():
     return runner, args, po.variants(runner, args)
 
 
-def test_breakdown_parts_add_up_and_recording_stops(engines):
+def test_breakdown_replays_the_engines_own_calls_and_recording_stops(engines):
     runner, args, variants = engines
     prompts = random_prompts(args.requests, args.prompt_len, runner.cfg.vocab_size, 3)
     parts = {}

@@ -156,14 +156,13 @@ def test_a_case_failing_in_a_later_round_is_dropped_alone():
     """time_round_robin: a case that passes its first calls and raises in a timed round (a device
     running out of memory later) is listed in `failed` and left out, rounds done included; the
     others keep every round."""
-    Case = FakeCase
-    cases = {"ok": Case(), "late": Case(fail_at=5)}            # 2 warm-up calls, then 2 per round
+    cases = {"ok": FakeCase(), "late": FakeCase(fail_at=5)}            # 2 warm-up calls, then 2 per round
     failed = []
     times = rf.time_round_robin(cases, 3, 0.0, lambda s: None, max_iters=1, failed=failed)
     assert list(times) == ["ok"] and len(times["ok"]) == 3 and list(cases) == ["ok"]
     assert failed == ["late: FAIL MemoryError: out of memory in round 2"]
     with pytest.raises(MemoryError):
-        rf.time_round_robin({"late": Case(fail_at=5)}, 3, 0.0, lambda s: None, max_iters=1)
+        rf.time_round_robin({"late": FakeCase(fail_at=5)}, 3, 0.0, lambda s: None, max_iters=1)
 
 
 def test_kv_write_component_makes_the_steps_writes():
@@ -230,9 +229,8 @@ def test_components_past_their_deadline_are_skipped_not_failed():
 def test_no_case_is_warmed_after_the_deadline():
     """time_round_robin: a case whose warm-up (compilation) would start after `deadline` is not set
     up or called, only listed as skipped; the cases warmed before it keep their round."""
-    Case = FakeCase
     now = [100.0]
-    cases = {"first": Case(clock=now), "late": Case()}        # the first one's warm-up passes the deadline
+    cases = {"first": FakeCase(clock=now), "late": FakeCase()}        # the first one's warm-up passes the deadline
     failed = []
     with mock.patch.object(rf.time, "perf_counter", lambda: now[0]):
         times = rf.time_round_robin(cases, 3, 0.0, lambda s: None, max_iters=1, deadline=105.0, failed=failed)
