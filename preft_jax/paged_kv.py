@@ -160,9 +160,31 @@ def write_kv(cache: PagedKVCache, new_k, new_v, write_index) -> PagedKVCache:
 
 
 # ------------------------------------------------------------------------------------ kernels
+KERNEL_MODULES = {"gpu": "jax.experimental.pallas.ops.gpu.paged_attention",       # Pallas Triton (deprecated
+                  "tpu": "jax.experimental.pallas.ops.tpu.paged_attention"}       # from jax 0.11: docs/device_check.md)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_missing(kind: str) -> str:
+    """Why jax's paged-attention kernel `kind` ("gpu" | "tpu") cannot be imported here ("" when it
+    can): the GPU one is one of jax's Pallas Triton ops, deprecated from jax 0.11 and to be removed
+    with the Triton backend, so a jax without it falls back to the gather path instead of failing
+    every decode call at trace time. Imported once (jax >= 0.11 warns on that import)."""
+    import importlib
+    try:
+        importlib.import_module(KERNEL_MODULES[kind])
+    except ImportError as e:
+        return f"jax {jax.__version__} has no {KERNEL_MODULES[kind]} ({type(e).__name__}: {e})"
+    return ""
+
+
 def kernel_supported(cfg: ModelConfig, block_size: int, pages_per_seq: int, platform: str) -> tuple[bool, str]:
-    """Whether jax's Pallas paged-attention kernel for `platform` takes these shapes (and why not)."""
+    """Whether jax's Pallas paged-attention kernel for `platform` takes these shapes, and is there
+    (`kernel_missing`); and why not."""
     hd = cfg.head_dim
+    kind = "tpu" if platform == "tpu" else "gpu" if platform in ("cuda", "gpu", "rocm") else None
+    if kind is not None and kernel_missing(kind):
+        return False, kernel_missing(kind)
     if platform == "tpu":
         if hd % 128:
             return False, f"head_dim {hd} is not a multiple of 128"
@@ -198,7 +220,7 @@ def choose_attention(cfg: ModelConfig, block_size: int, platform: str | None = N
         return "gather"
     ok, why = kernel_supported(cfg, block_size, 0, platform)
     if not ok:
-        log.warning("paged attention: no %s kernel for these shapes (%s); using the gather path", platform, why)
+        log.warning("paged attention: no %s kernel (%s); using the gather path", platform, why)
         return "gather"
     return "kernel:tpu" if platform == "tpu" else "kernel:gpu"
 
@@ -258,13 +280,13 @@ def write_token_layer(pool, layer, new, write_index):
 
 
 def _gpu_kernel(q, k_pages, v_pages, tables, lengths, ppb, k_splits, interpret):
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention   # KERNEL_MODULES["gpu"]
     return paged_attention(q, k_pages, v_pages, tables, lengths, block_h=16, pages_per_compute_block=ppb,
                            k_splits=k_splits, interpret=interpret)
 
 
 def _tpu_kernel(q, k_pages, v_pages, tables, lengths, ppb):
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention   # KERNEL_MODULES["tpu"]
     return paged_attention(q, k_pages, v_pages, lengths, tables, pages_per_compute_block=ppb)
 
 

@@ -57,6 +57,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))             # this checkout's packages, not an installed copy
@@ -146,6 +147,7 @@ class Report:
         self.notes: list[str] = []
         self.header: list[str] = []
         self.summary: list[str] = []
+        self.warnings: WarningLog | None = None
         self.old = out.read_text() if out.is_file() else None
 
     def over_budget(self) -> bool:
@@ -166,6 +168,8 @@ class Report:
             text += [*self.notes, ""]
         for title, seconds, lines in self.sections:
             text += [f"### {title}", "", f"_section wall time {seconds:.0f} s_", "", *lines, ""]
+        if self.warnings is not None:
+            text += ["### Warnings this run raised", "", *(self.warnings.lines() or ["- none"]), ""]
         return "\n".join([MARK_BEGIN, *text, MARK_END])
 
     def write(self):
@@ -181,6 +185,53 @@ class Report:
             text = "\n".join(lines[:k] + ["", block, ""] + lines[k:]) + "\n"
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(text)
+
+
+class WarningLog:
+    """Every warning the run raises, once per category and message, with how many places raised it and
+    the first: DeprecationWarnings included (Python hides those outside __main__), so a run on a newer
+    jax (the device's 0.11.x) says in its report what of this code's path that jax deprecates - from
+    jax 0.11.0 every Pallas Triton kernel's lowering warns that the Triton backend will be removed,
+    and jax's Triton ops (the GPU paged attention among them) warn on import. Each message is still
+    printed once. A context manager; `lines()` is the report's list."""
+
+    def __init__(self):
+        self.seen: dict[tuple[str, str], list] = {}      # (category, message) -> [places, first place]
+
+    def __enter__(self) -> "WarningLog":
+        self._scope = warnings.catch_warnings()         # restores the filters and showwarning on exit
+        self._scope.__enter__()
+        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+            warnings.filterwarnings("default", category=category)    # once per place, not hidden
+        self._print, warnings.showwarning = warnings.showwarning, self._show
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._scope.__exit__(*exc)
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        text = (str(message).strip().splitlines() or [""])[0][:300]
+        key = (category.__name__, text)
+        if key not in self.seen:
+            self.seen[key] = [0, f"{_short_path(filename)}:{lineno}"]
+            self._print(message, category, filename, lineno, file, line)
+        self.seen[key][0] += 1
+
+    def lines(self) -> list[str]:
+        return [f"- {cat} ({n} place{'s' if n > 1 else ''}, first {where}): {text}"
+                for (cat, text), (n, where) in sorted(self.seen.items())]
+
+
+def _short_path(filename: str) -> str:
+    """A source path from its package down (`jax/_src/...`, `preft_jax/...`), not the machine's prefix."""
+    parts = pathlib.PurePath(filename).parts
+    for k in range(len(parts) - 1, -1, -1):
+        if parts[k] in ("site-packages", "dist-packages"):
+            return "/".join(parts[k + 1:])
+    try:
+        return str(pathlib.Path(filename).resolve().relative_to(ROOT))
+    except ValueError:
+        return filename
 
 
 def _err(e: BaseException) -> str:
@@ -655,14 +706,19 @@ def main(argv=None) -> int:
                     help="adapter backend of the serving section")
     ap.add_argument("--no-cache", action="store_true", help="no persistent compilation cache")
     args = ap.parse_args(argv)
-    fraction_chosen = MEM_FRACTION_ENV in os.environ
-    os.environ.setdefault(MEM_FRACTION_ENV, MEM_FRACTION)     # read when the GPU backend starts: next line
-    platform = jax.default_backend()
-    tiny = args.tiny or platform == "cpu"
     sections = (args.sections or DEFAULT_SECTIONS).split(",")
     bad = [x for x in sections if x not in SECTIONS]
     if bad:
         ap.error(f"--sections: unknown {bad}; choose from {SECTIONS}")
+    with WarningLog() as log:
+        return _main(args, argv, sections, log)
+
+
+def _main(args, argv, sections: list[str], log: WarningLog) -> int:
+    fraction_chosen = MEM_FRACTION_ENV in os.environ
+    os.environ.setdefault(MEM_FRACTION_ENV, MEM_FRACTION)     # read when the GPU backend starts: next line
+    platform = jax.default_backend()
+    tiny = args.tiny or platform == "cpu"
     cache = None
     if not args.no_cache:
         from preft_jax.cache.compilation import enable_compilation_cache
@@ -673,6 +729,7 @@ def main(argv=None) -> int:
     plan = make_plan(tiny, args.models.split(",") if args.models else None,
                      [int(n) for n in args.adapters.split(",")] if args.adapters else None)
     rep = Report(pathlib.Path(args.out), args.budget_s or (600.0 if tiny else 330.0))
+    rep.warnings = log
     from benchmarks import roofline as rf
     rep.hardware = rf.hardware(jnp.float32 if tiny else jnp.bfloat16)
     plan = rep.plan = dataclasses.replace(plan, memory_limit=rep.hardware.memory)

@@ -24,6 +24,7 @@ def _run(tmp_path, *extra):
     assert text.startswith("# Device check\n\nintro kept\n\n<!-- device_check:latest -->\n## Latest run")
     assert text.endswith("<!-- /device_check:latest -->\n\n# Run 1\nkept too\n") and "old block" not in text
     assert "skipped" not in text and "FAIL" not in text
+    assert "### Warnings this run raised\n\n- " in text
     assert re.search(r"- device: cpu / cpu x 1; python [\d.]+, jax [\d.]+, jaxlib [\d.]+, flax [\d.]+", text)
     return text
 
@@ -68,3 +69,47 @@ def test_device_check_kernels_dry(tmp_path):
         assert f"| {impl} |" in text and "| PASS |" in text
     assert text.count("| PASS | PASS |") == 3                     # isolation: jnp, xla, pallas x gather, grouped
     assert "| LoRA decode (BGMV) | tiny | 2 |" in text
+
+
+def _device_check_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("device_check_under_test", ROOT / "scripts" / "device_check.py")
+    mod = sys.modules["device_check_under_test"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_warning_log_keeps_hidden_deprecations_for_the_report(tmp_path, monkeypatch):
+    """A DeprecationWarning raised in a library module (hidden by Python's default filters, as jax
+    0.11's Pallas Triton deprecation is) reaches the report once per message, with the number of
+    places and the first; a UserWarning too; the filters and showwarning are restored afterwards."""
+    import warnings
+    dc = _device_check_module()
+    lib = tmp_path / "fake_lib_for_warnings.py"
+    lib.write_text("import warnings\n"
+                   "def lower(i):\n"
+                   "    warnings.warn('The Triton backend is deprecated.', DeprecationWarning, stacklevel=1)\n"
+                   "def other():\n"
+                   "    warnings.warn('The Triton backend is deprecated.', DeprecationWarning, stacklevel=1)\n"
+                   "    warnings.warn('shape odd', UserWarning, stacklevel=1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fake_lib_for_warnings as fake
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)     # as Python does outside __main__
+        filters, show = list(warnings.filters), warnings.showwarning
+        with dc.WarningLog() as log:
+            for i in range(5):
+                fake.lower(i)
+            fake.other()
+        assert warnings.filters == filters and warnings.showwarning is show
+    assert log.lines() == [
+        "- DeprecationWarning (2 places, first " + str(lib) + ":3): The Triton backend is deprecated.",
+        "- UserWarning (1 place, first " + str(lib) + ":6): shape odd"]
+    rep = dc.Report(tmp_path / "r.md", 10.0)
+    rep.warnings = log
+    assert "### Warnings this run raised\n\n- DeprecationWarning (2 places" in rep.block()
+    rep.warnings = dc.WarningLog()
+    assert "### Warnings this run raised\n\n- none\n" in rep.block()
+    assert dc._short_path("/usr/lib/python3.12/site-packages/jax/_src/pallas/pallas_call.py") == \
+        "jax/_src/pallas/pallas_call.py"
+    assert dc._short_path(str(ROOT / "preft_jax" / "paged_kv.py")) == "preft_jax/paged_kv.py"

@@ -239,6 +239,32 @@ def test_decode_attention_env_override(monkeypatch):
         choose_attention(LLAMA_8B, 16, "gpu")
 
 
+@pytest.mark.parametrize("kind,platform", [("gpu", "gpu"), ("gpu", "cuda"), ("tpu", "tpu")])
+def test_decode_attention_falls_back_when_jax_has_no_kernel(monkeypatch, caplog, kind, platform):
+    """A jax without the paged-attention kernel module (the GPU one is one of jax's Pallas Triton
+    ops, deprecated from jax 0.11 and to be removed with it) gets the gather path and one log line
+    naming the module, not a decode step that fails at trace time; the other platform's choice is
+    unchanged."""
+    import logging
+    import sys
+    from preft_jax import paged_kv
+    monkeypatch.delenv(paged_kv.ATTENTION_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, paged_kv.KERNEL_MODULES[kind], None)      # import raises ImportError
+    paged_kv.kernel_missing.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="preft_jax.paged_kv"):
+            assert choose_attention(LLAMA_8B, 16, platform) == "gather"
+        assert f"paged attention: no {platform} kernel (jax {jax.__version__} has no " \
+               f"{paged_kv.KERNEL_MODULES[kind]} (ModuleNotFoundError: " in caplog.text
+        assert caplog.text.rstrip().endswith("; using the gather path")
+        other = "tpu" if kind == "gpu" else "gpu"
+        assert choose_attention(LLAMA_8B, 16, other) == f"kernel:{other}"
+    finally:
+        paged_kv.kernel_missing.cache_clear()
+    monkeypatch.undo()
+    assert choose_attention(LLAMA_8B, 16, platform) == f"kernel:{kind}"
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_engine_fused_decode_call_lowers_with_kernel_and_donated_pool(platform):
     """The serving engine's own decode call (serve/step_runner.py: the rows' int32 buffer, 4 decode
