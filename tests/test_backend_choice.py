@@ -9,6 +9,7 @@ import pytest
 
 from preft_jax.adapters import apply
 from preft_jax.adapters.context import GATHER_LORA_XLA_PLATFORMS, AdapterContext
+from preft_jax.lowering import lower_for
 
 MARKERS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 T, D, R, N = 32, 128, 16, 5
@@ -20,7 +21,7 @@ def _lowered(mode, platform):
 
     def f(x, A, B, slots):
         return AdapterContext.build(slots, N, "pallas", mode).lora(x, A, B)
-    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return lower_for(jax.jit(f), *args, platform=platform).as_text()
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import roofline as rf
+from preft_jax.lowering import lower_for
 
 
 @pytest.mark.slow
@@ -189,9 +190,8 @@ def test_kv_write_component_makes_the_steps_writes():
         assert not np.array_equal(np.asarray(g), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(got.k)[:, :, 2, 5], np.asarray(new)[:, 0, 0])
     sds = jax.ShapeDtypeStruct
-    text = kernel.trace(PagedKVCache(*(sds((L, KV, NB, bs, hd), jax.numpy.bfloat16),) * 2),
-                        sds((L, R, 1, KV, hd), jax.numpy.bfloat16),
-                        sds((R, 1), np.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for(kernel, PagedKVCache(*(sds((L, KV, NB, bs, hd), jax.numpy.bfloat16),) * 2),
+                     sds((L, R, 1, KV, hd), jax.numpy.bfloat16), sds((R, 1), np.int32), platform="cuda").as_text()
     sig = text.split("func.func public @main(", 1)[1].split(") ->", 1)[0]
     pools = [a for a in sig.split("%arg")[1:] if f"{L}x{KV}x{NB}x" in a]
     assert len(pools) == 2 and all("tf.aliasing_output" in a for a in pools), sig

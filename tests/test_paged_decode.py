@@ -19,6 +19,7 @@ from preft_jax.generation import ModelRunner
 from preft_jax.model import Llama
 from preft_jax.paged_kv import KernelLayout, PagedBatch, PagedKVCache, choose_attention, kernel_layout
 from preft_jax.paged_step import decode_advance, paged_decode_steps, paged_step
+from preft_jax.lowering import lower_for
 from reference_llama import random_params
 
 CFG = tiny_config()
@@ -188,7 +189,7 @@ def _abstract_decode(cfg, R, ctx, platform, steps=None):
             f32, f32, sds((R,), i32), (sds((R, 2), jnp.uint32), sds((R,), i32)))
     fn = paged_step if steps is None else paged_decode_steps
     kw = {} if steps is None else {"num_steps": steps}
-    return batch.attention, fn.trace(*args, **kw).lower(lowering_platforms=(platform,)).as_text()
+    return batch.attention, lower_for(fn, *args, platform=platform, **kw).as_text()
 
 
 def _main_signature(text):
@@ -279,10 +280,11 @@ def test_engine_fused_decode_call_lowers_with_kernel_and_donated_pool(platform):
     pool = jax.ShapeDtypeStruct((cfg.n_layers, cfg.n_kv_heads, R * nb + 1, BS, cfg.head_dim), jnp.bfloat16)
     attention = choose_attention(cfg, BS, "gpu" if platform == "cuda" else platform)
     tree, leaves = jax.tree_util.tree_structure(state), tuple(jax.tree_util.tree_leaves(state))   # as the engine calls it
-    text = decode_step(graphdef, state_tree=tree).trace(
+    text = lower_for(
+        decode_step(graphdef, state_tree=tree),
         leaves, jax.ShapeDtypeStruct((R, BLOCKS + nb), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
-        PagedKVCache(pool, pool), None, None, attention=attention, logprobs=False, steps=steps,
-    ).lower(lowering_platforms=(platform,)).as_text()
+        PagedKVCache(pool, pool), None, None, attention=attention, logprobs=False, steps=steps, platform=platform,
+    ).as_text()
     assert attention == ("kernel:gpu" if platform == "cuda" else "kernel:tpu")
     assert MARKERS[platform] in text
     pool_args = [a for a in _main_signature(text).split("%arg")[1:] if "32x8x" in a and "bf16" in a]
@@ -305,14 +307,15 @@ def test_engine_prefill_call_and_handoff_lower_with_donated_pool(platform):
     pool = sds((cfg.n_layers, cfg.n_kv_heads, P * nb + 1, BS, cfg.head_dim), jnp.bfloat16)
     batch = PagedBatch(sds((P, ctx // BS), i32), sds((P,), i32), sds((P,), i32), sds((P, C), i32), "gather")
     tree, leaves = jax.tree_util.tree_structure(state), tuple(jax.tree_util.tree_leaves(state))   # as the engine calls it
-    text = bind_paged_step(graphdef, state_tree=tree).trace(
+    text = lower_for(
+        bind_paged_step(graphdef, state_tree=tree),
         leaves, sds((P, C), i32), batch, PagedKVCache(pool, pool), None, None, sds((P,), i32), sds((P,), f32),
         sds((P,), f32), sds((P,), i32), (sds((P, 2), jnp.uint32), sds((P,), i32)), None, None, None,
-        logprobs=False, prompt_logprobs=False, return_logits=True,
-    ).lower(lowering_platforms=(platform,)).as_text()
+        logprobs=False, prompt_logprobs=False, return_logits=True, platform=platform,
+    ).as_text()
     pool_args = [a for a in _main_signature(text).split("%arg")[1:] if "32x8x" in a and "bf16" in a]
     assert len(pool_args) == 2 and all("tf.aliasing_output" in a for a in pool_args)
-    hand = handoff_tokens.trace(sds((P,), i32), sds((R,), i32)).lower(lowering_platforms=(platform,)).as_text()
+    hand = lower_for(handoff_tokens, sds((P,), i32), sds((R,), i32), platform=platform).as_text()
     assert re.search(r"@main\(%arg0: tensor<16xi32>, %arg1: tensor<64xi32>\) -> \(tensor<64xi32>", hand)
 
 

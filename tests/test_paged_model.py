@@ -14,6 +14,7 @@ from preft_jax.generation import ModelRunner, sequence_logits
 from preft_jax.model import Llama
 from preft_jax.paged_kv import PagedBatch, PagedKVCache, kernel_decode_attention
 from preft_jax.paged_step import paged_logits
+from preft_jax.lowering import lower_for
 from reference_llama import random_params
 
 CFG = tiny_config()
@@ -164,5 +165,5 @@ def test_paged_decode_kernels_lower(platform, dtype):
             jax.ShapeDtypeStruct((R,), jnp.int32))
     variant = "tpu" if platform == "tpu" else "gpu"
     f = jax.jit(lambda q, k, v, bt, n: kernel_decode_attention(q, k, v, 1, bt, n, variant))
-    text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    text = lower_for(f, *args, platform=platform).as_text()
     assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text.lower())

@@ -22,6 +22,7 @@ from preft_jax.generation import ModelRunner, sequence_logits
 from preft_jax.loading.quantized import gguf_source, quantize_model_params
 from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams
+from preft_jax.lowering import lower_for
 from reference_llama import random_params
 
 CFG = tiny_config()                 # d 64, ffn 128: int4 groups of 64 by default
@@ -413,6 +414,6 @@ def test_quantized_decode_step_lowers(platform, mode):
     bank = jax.tree.map(spec, build_bank(cfg, [random_lora(cfg, 1)]))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     for b, ids in ((None, None), (bank, i32(R))):
-        text = paged_step.trace(runner.graphdef, state, i32(R, 1), batch, cache, b, ids, i32(R), f32(R), f32(R),
-                                i32(R), key).lower(lowering_platforms=(platform,)).as_text()
+        text = lower_for(paged_step, runner.graphdef, state, i32(R, 1), batch, cache, b, ids, i32(R), f32(R),
+                         f32(R), i32(R), key, platform=platform).as_text()
         assert ("xi4>" if mode == "int4" else "xi8>") in text

@@ -72,16 +72,6 @@ _warned: set = set()
 
 
 # ---- backend resolution ----------------------------------------------------------------------
-def _lowering_platform(platform: str) -> str:
-    if platform != "gpu":
-        return platform
-    try:
-        version = jax.devices("gpu")[0].client.platform_version.lower()
-    except Exception:          # noqa: BLE001  (no GPU client: probing for another machine)
-        version = ""
-    return "rocm" if "rocm" in version else "cuda"
-
-
 @functools.lru_cache(maxsize=None)
 def pallas_lowers_on(platform: str) -> bool:
     """Whether the Pallas kernels compile (interpret=False) for `platform` ("cpu" = interpret mode).
@@ -90,7 +80,8 @@ def pallas_lowers_on(platform: str) -> bool:
     if platform == "cpu":
         return True
     import pallas_kernels
-    lp = _lowering_platform(platform)
+    from preft_jax.lowering import lower_for, lowering_platform
+    lp = lowering_platform(platform)
     T, d, r, n = 32, 128, 8, 3
     x = jax.ShapeDtypeStruct((T, d), jnp.float32)
     idx = jax.ShapeDtypeStruct((T,), jnp.int32)
@@ -103,7 +94,7 @@ def pallas_lowers_on(platform: str) -> bool:
               (functools.partial(pallas_kernels.reft_apply, interpret=False), (x, R, R, b, s, idx))]
     try:
         for fn, args in probes:
-            jax.jit(fn).trace(*args).lower(lowering_platforms=(lp,))
+            lower_for(jax.jit(fn), *args, platform=lp)
     except Exception as e:     # noqa: BLE001  (any lowering failure means "not on this platform")
         log.info("pallas kernels do not lower on %s: %s", lp, str(e).splitlines()[0] if str(e) else e)
         return False

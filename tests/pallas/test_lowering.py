@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import lora_bgmv, lora_sgmv, make_group_metadata, reft_apply
+from preft_jax.lowering import lower_for
 
 S = jax.ShapeDtypeStruct
 
@@ -87,10 +88,9 @@ def _reft_problem(m, dtype):
 def test_forward_and_gradient_lower_for_cuda_and_tpu(kernel, model, dtype, triton_modules):
     m = MODELS[model]
     f, args, calls = _reft_problem(m, dtype) if kernel == "reft" else _lora_problem(kernel, m, dtype)
-    traced = jax.jit(f).trace(*args)
     expected = KERNELS_PER_CALL[kernel] * calls
     for platform in ("cuda", "tpu"):
-        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        text = lower_for(jax.jit(f), *args, platform=platform).as_text()
         assert text.count(MARKERS[platform]) == expected, platform
         other = MARKERS["tpu" if platform == "cuda" else "cuda"]
         assert other not in text
@@ -100,8 +100,8 @@ def test_forward_and_gradient_lower_for_cuda_and_tpu(kernel, model, dtype, trito
 def test_default_selection_follows_the_lowering_platform(triton_modules):
     x, A, B, idx = (S((64, 64), jnp.float32), S((4, 64, 8), jnp.float32),
                     S((4, 8, 64), jnp.float32), S((64,), jnp.int32))
-    traced = jax.jit(lambda *a: lora_sgmv(*a)).trace(x, A, B, idx)     # platform=None, interpret=None
-    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    f = jax.jit(lambda *a: lora_sgmv(*a))                                # platform=None, interpret=None
+    cpu = lower_for(f, x, A, B, idx, platform="cpu").as_text()
     assert not any(marker in cpu for marker in MARKERS.values())        # interpreted on CPU
-    assert traced.lower(lowering_platforms=("cuda",)).as_text().count(MARKERS["cuda"]) == 1
-    assert traced.lower(lowering_platforms=("tpu",)).as_text().count(MARKERS["tpu"]) == 1
+    assert lower_for(f, x, A, B, idx, platform="cuda").as_text().count(MARKERS["cuda"]) == 1
+    assert lower_for(f, x, A, B, idx, platform="tpu").as_text().count(MARKERS["tpu"]) == 1

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from preft_jax.lowering import lower_for
 from test_lowering import MODELS, _lora_problem, _reft_problem
 
 triton = pytest.importorskip("triton")
@@ -35,7 +36,7 @@ def test_gpu_kernels_compile_to_cubin_for_sm90(kernel, model, dtype, triton_asm,
     from triton.backends.compiler import GPUTarget
     m = MODELS[model]
     f, args, _ = _reft_problem(m, dtype) if kernel == "reft" else _lora_problem(kernel, m, dtype)
-    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    lower_for(jax.jit(f), *args, platform="cuda")
     assert triton_asm
     for i, asm in enumerate(dict.fromkeys(triton_asm)):
         path = tmp_path / f"kernel{i}.ttir"
