@@ -178,26 +178,45 @@ def kernel_missing(kind: str) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_fails_to_lower(platform: str) -> str:
+    """Why jax's paged-attention kernel does not lower for `platform` ("gpu" | "cuda" | "rocm" |
+    "tpu") here ("" when it does): probed once, at a small shape, as `pallas_lowers_on` probes the
+    adapter kernels, so a jax or a device the kernel does not build for gets the gather path and
+    one log line instead of a decode step that fails at its first call."""
+    from preft_jax.lowering import lower_for
+    S = jax.ShapeDtypeStruct
+    L, KV, NB, bs, hd, R, H, nb = 2, 2, 8, 16, 128, 2, 8, 2
+    pool = S((L, KV, NB, bs, hd), jnp.bfloat16)
+    args = (S((R, H, hd), jnp.bfloat16), pool, pool, S((R, nb), jnp.int32), S((R,), jnp.int32))
+    kind = "tpu" if platform == "tpu" else "gpu"
+    try:
+        lower_for(jax.jit(lambda q, k, v, t, n: kernel_decode_attention(q, k, v, 1, t, n, kind)), *args,
+                  platform=platform)
+    except Exception as e:     # noqa: BLE001  (any lowering failure means "not on this platform")
+        return f"jax {jax.__version__}'s {kind} paged-attention kernel does not lower for {platform} " \
+               f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
+    return ""
+
+
 def kernel_supported(cfg: ModelConfig, block_size: int, pages_per_seq: int, platform: str) -> tuple[bool, str]:
-    """Whether jax's Pallas paged-attention kernel for `platform` takes these shapes, and is there
-    (`kernel_missing`); and why not."""
+    """Whether jax's Pallas paged-attention kernel for `platform` takes these shapes, is there
+    (`kernel_missing`) and lowers (`kernel_fails_to_lower`); and why not."""
     hd = cfg.head_dim
-    kind = "tpu" if platform == "tpu" else "gpu" if platform in ("cuda", "gpu", "rocm") else None
-    if kind is not None and kernel_missing(kind):
-        return False, kernel_missing(kind)
     if platform == "tpu":
         if hd % 128:
             return False, f"head_dim {hd} is not a multiple of 128"
         if block_size % 16:
             return False, f"block_size {block_size} is not a multiple of 16"
-        return True, ""
-    if platform in ("cuda", "gpu", "rocm"):
+    elif platform in ("cuda", "gpu", "rocm"):
         if hd < 16 or hd & (hd - 1):
             return False, f"head_dim {hd} is not a power of two >= 16"
         if block_size < 16 or block_size & (block_size - 1):
             return False, f"block_size {block_size} is not a power of two >= 16"
-        return True, ""
-    return False, f"no paged-attention kernel for platform {platform!r}"
+    else:
+        return False, f"no paged-attention kernel for platform {platform!r}"
+    why = kernel_missing("tpu" if platform == "tpu" else "gpu") or kernel_fails_to_lower(platform)
+    return not why, why
 
 
 ATTENTION_ENV = "PREFT_JAX_DECODE_ATTENTION"     # "gather" forces the gather path ("auto"/unset: the choice below)

@@ -266,6 +266,39 @@ def test_decode_attention_falls_back_when_jax_has_no_kernel(monkeypatch, caplog,
     assert choose_attention(LLAMA_8B, 16, platform) == f"kernel:{kind}"
 
 
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_decode_attention_falls_back_when_the_kernel_does_not_lower(monkeypatch, caplog, platform):
+    """A kernel that does not lower for the platform (a jax or device it does not build for) is
+    found by one probe at a small shape: the gather path and one log line with the lowering's
+    error, not a decode step that fails at its first call. With the kernel lowering, the probe
+    passes (the real kernel lowered here for the platform, cuda through an abstract H100)."""
+    import logging
+    from preft_jax import paged_kv
+    monkeypatch.delenv(paged_kv.ATTENTION_ENV, raising=False)
+    paged_kv.kernel_fails_to_lower.cache_clear()
+    assert paged_kv.kernel_fails_to_lower(platform) == ""
+    real = paged_kv.kernel_decode_attention
+
+    def broken(q, k, v, layer, tables, lengths, kind, k_splits=None):
+        if kind == ("tpu" if platform == "tpu" else "gpu"):
+            raise NotImplementedError("Unimplemented primitive in Pallas GPU lowering: frobnicate")
+        return real(q, k, v, layer, tables, lengths, kind, k_splits)
+
+    monkeypatch.setattr(paged_kv, "kernel_decode_attention", broken)
+    paged_kv.kernel_fails_to_lower.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="preft_jax.paged_kv"):
+            assert choose_attention(LLAMA_8B, 16, platform) == "gather"
+        kind = "tpu" if platform == "tpu" else "gpu"
+        assert f"paged attention: no {platform} kernel (jax {jax.__version__}'s {kind} paged-attention kernel " \
+               f"does not lower for {platform} (NotImplementedError: Unimplemented primitive in Pallas GPU " \
+               f"lowering: frobnicate)); using the gather path" in caplog.text
+        other = "tpu" if platform == "gpu" else "gpu"
+        assert choose_attention(LLAMA_8B, 16, other) == f"kernel:{other}"
+    finally:
+        paged_kv.kernel_fails_to_lower.cache_clear()
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_engine_fused_decode_call_lowers_with_kernel_and_donated_pool(platform):
     """The serving engine's own decode call (serve/step_runner.py: the rows' int32 buffer, 4 decode
