@@ -7,6 +7,7 @@ open file descriptors and threads from /proc, stop it with a signal.
 """
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
 import signal
@@ -71,6 +72,23 @@ class ServerProcess:
     def open_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
+    def thread_names(self) -> collections.Counter:
+        """How many of the server's threads have each name (/proc/<pid>/task/*/comm)."""
+        return collections.Counter(_read(f"/proc/{self.proc.pid}/task/{t}/comm")
+                                   for t in _listdir(f"/proc/{self.proc.pid}/task"))
+
+    def fd_targets(self) -> collections.Counter:
+        """How many of the server's open descriptors point at each kind of target ("socket",
+        "anon_inode:[eventfd]", a file's path, ...; /proc/<pid>/fd/*)."""
+        out = collections.Counter()
+        for fd in _listdir(f"/proc/{self.proc.pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{self.proc.pid}/fd/{fd}")
+            except OSError:                                  # closed since it was listed
+                continue
+            out[target.split(":[")[0] if target.startswith(("socket:", "pipe:")) else target] += 1
+        return out
+
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
 
@@ -92,3 +110,24 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:                                          # the process has exited
+        return []
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:                                          # the thread has exited
+        return "?"
+
+
+def grown(before: collections.Counter, after: collections.Counter) -> str:
+    """What `after` has more of than `before` ("name x2, other x1"), "" when nothing."""
+    more = after - before
+    return ", ".join(f"{k} x{n}" for k, n in sorted(more.items()))

@@ -47,7 +47,7 @@ import time
 import httpx
 import numpy as np
 
-from benchmarks.server_process import ServerProcess
+from benchmarks.server_process import ServerProcess, grown
 
 ADMIN, API = "soak-admin-key", "soak-api-key"
 AUTH = {"Authorization": f"Bearer {API}"}
@@ -282,7 +282,8 @@ class Soak:
         return {"running": h["running"], "queued": h["queued"], "kv_blocks_used": h["kv_blocks_used"],
                 "adapter_references": m.get("preft_adapter_references", 0.0),
                 "adapters_draining": m.get("preft_adapters_draining", 0.0),
-                "rss_mb": self.srv.rss_mb(), "fds": self.srv.open_fds(), "threads": self.srv.threads()}
+                "rss_mb": self.srv.rss_mb(), "fds": self.srv.open_fds(), "threads": self.srv.threads(),
+                "thread_names": self.srv.thread_names(), "fd_targets": self.srv.fd_targets()}
 
     def settle(self, client: Client, baseline: dict | None, seconds: float, stable: float = 12.0) -> dict:
         """Idle values once idle keep-alive connections and worker threads have timed out: as soon as
@@ -540,10 +541,14 @@ class Soak:
         for key, limit in (("running", 0), ("queued", 0), ("kv_blocks_used", baseline["kv_blocks_used"]),
                            ("adapter_references", 0), ("adapters_draining", 0)):
             check(f"idle {key}", final[key], limit, final[key] <= limit)
-        check("open file descriptors", f"{final['fds']} (idle before: {baseline['fds']})", f"<= {baseline['fds']}",
-              final["fds"] <= baseline["fds"])
-        check("threads", f"{final['threads']} (idle before: {baseline['threads']})", f"<= {baseline['threads']}",
-              final["threads"] <= baseline["threads"])
+        new_fds = grown(baseline["fd_targets"], final["fd_targets"])
+        check("open file descriptors", f"{final['fds']} (idle before: {baseline['fds']})"
+              + (f"; new: {new_fds}" if final["fds"] > baseline["fds"] and new_fds else ""),
+              f"<= {baseline['fds']}", final["fds"] <= baseline["fds"])
+        new_threads = grown(baseline["thread_names"], final["thread_names"])
+        check("threads", f"{final['threads']} (idle before: {baseline['threads']})"
+              + (f"; new: {new_threads}" if final["threads"] > baseline["threads"] and new_threads else ""),
+              f"<= {baseline['threads']}", final["threads"] <= baseline["threads"])
         growth = final["rss_mb"] - baseline["rss_mb"]
         check("RSS growth", f"{growth:+.1f} MB ({baseline['rss_mb']:.0f} -> {final['rss_mb']:.0f} MB, "
                             f"{growth / max(traffic_seconds / 3600, 1e-9):+.0f} MB/h)",

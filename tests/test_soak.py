@@ -4,6 +4,7 @@ unexpected status, KV blocks / adapter references / fds / threads back to idle, 
 /metrics adding up, a clean SIGTERM exit. docs/serving.md has the 30-minute run."""
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -27,3 +28,33 @@ def test_short_soak_passes(tmp_path):
     # the traffic really happened: greedy probes judged, adapters cycled through draining
     assert not checks["greedy outputs == solo"]["value"].startswith("0/")
     assert "PASS" in r.stdout and "soak PASSED" in r.stdout
+
+
+def test_leak_lines_name_what_is_new(tmp_path):
+    """The soak's fd and thread checks say what is new when they fail: the server's threads by
+    name and its descriptors by target, counted against the idle baseline (here this process)."""
+    import collections
+    import threading
+    import types
+
+    from benchmarks.server_process import ServerProcess, grown
+    srv = object.__new__(ServerProcess)                  # its /proc readers only: this process as the server
+    srv.proc = types.SimpleNamespace(pid=os.getpid())
+    names0, fds0 = srv.thread_names(), srv.fd_targets()
+    assert sum(names0.values()) == srv.threads()          # (listing its own fds adds the listing's, here)
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, daemon=True)
+    t.start()
+    path = tmp_path / "held-open.txt"
+    path.write_text("x")
+    f = open(path)
+    try:
+        comm = pathlib.Path(f"/proc/self/task/{t.native_id}/comm").read_text().strip()
+        assert grown(names0, srv.thread_names()) == f"{comm} x1"
+        assert grown(fds0, srv.fd_targets()) == f"{path} x1"
+    finally:
+        f.close()
+        stop.set()
+        t.join()
+    assert grown(fds0, srv.fd_targets()) == ""
+    assert grown(collections.Counter(a=1), collections.Counter(a=3, b=1)) == "a x2, b x1"
