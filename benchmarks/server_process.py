@@ -73,7 +73,9 @@ class ServerProcess:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def thread_names(self) -> collections.Counter:
-        """How many of the server's threads have each name (/proc/<pid>/task/*/comm)."""
+        """How many of the server's threads have each name (/proc/<pid>/task/*/comm): the runtime's
+        native threads by their own names (XLA's pools, OpenMP's team); a Python thread is named
+        after the process before Python 3.14, which names it after the thread."""
         return collections.Counter(_read(f"/proc/{self.proc.pid}/task/{t}/comm")
                                    for t in _listdir(f"/proc/{self.proc.pid}/task"))
 

@@ -5,6 +5,8 @@ on a CPU host, and how `pallas_lowers_on` probes the kernels).
     lowering_platform("gpu")              # "cuda" or "rocm", from the attached GPU's client
     lower_for(jax.jit(f), *args, platform="cuda")  # = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)),
                                                    #   on any host
+    lowers(jax.jit(f), *args, platform="cuda")     # "" when it lowers, else the error's type and first line
+                                                   #   (the probes: pallas_lowers_on, paged_kv.kernel_fails_to_lower)
 
 From jax 0.11 the Pallas Triton lowering asks the device it targets for its compute capability,
 and with no GPU attached it raises ("No supported GPU devices found, please specify an abstract
@@ -37,20 +39,35 @@ def lowering_platform(platform: str) -> str:
     return "rocm" if "rocm" in version else "cuda"
 
 
-def target_scope(platform: str):
-    """The context a lowering for `platform` runs in: for "cuda" on a host with no GPU, an abstract
-    mesh of one abstract `CROSS_GPU`; otherwise nothing."""
+def _target_scope(platform: str):
+    """The context a lowering for the resolved `platform` runs in: for "cuda" on a host with no GPU,
+    the current abstract mesh (its axes, none without one) with an abstract `CROSS_GPU` as its
+    device - no axis added, so code that shards only under a mesh (`sharding.constrain`) lowers
+    as it does on the device, and a caller's mesh keeps its size; otherwise nothing."""
     if platform != "cuda" or _gpus():
         return contextlib.nullcontext()
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
     device = AbstractDevice(device_kind=CROSS_GPU, num_cores=None, platform="gpu")
-    return use_abstract_mesh(AbstractMesh((1,), ("cross_lowering",), abstract_device=device))
+    cur = jax.sharding.get_abstract_mesh()
+    return use_abstract_mesh(AbstractMesh(cur.axis_sizes, cur.axis_names, axis_types=cur.axis_types,
+                                          abstract_device=device))
 
 
 def lower_for(jitted, *args, platform: str, **kwargs):
     """`jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))` (platform "gpu" resolved
-    by `lowering_platform`), traced and lowered inside `target_scope` (the lowering reads the
-    target the trace recorded): on a CPU host too, whatever the jax."""
+    by `lowering_platform`), traced and lowered inside `_target_scope` (the lowering reads the
+    target the trace recorded): on a CPU host too, whatever the jax. (`platform` is this function's:
+    a traced function's own `platform` argument cannot be passed through it.)"""
     platform = lowering_platform(platform)
-    with target_scope(platform):
+    with _target_scope(platform):
         return jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))
+
+
+def lowers(jitted, *args, platform: str, **kwargs) -> str:
+    """"" when `lower_for(jitted, *args, platform=platform, **kwargs)` succeeds, else why not: the
+    error's type and first line (any error: a probe's answer is "not on this platform")."""
+    try:
+        lower_for(jitted, *args, platform=platform, **kwargs)
+    except Exception as e:     # noqa: BLE001
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    return ""

@@ -22,7 +22,8 @@ Attention backends (`PagedBatch.attention`, static):
   pages straight from the pool (`kernel_decode_attention`: no per-layer slice of the pool is
   materialized, so a step moves the live context's bytes, not the pool's), splitting long
   contexts over `k_splits` partitions on GPU (`kernel_layout`). `choose_attention` falls back to
-  "gather" for shapes the kernels cannot take. Off their platform (CPU tests) both run the GPU
+  "gather" for shapes the kernels cannot take, and where jax lacks the kernel (`kernel_missing`)
+  or it does not lower (`kernel_fails_to_lower`). Off their platform (CPU tests) both run the GPU
   kernel in Pallas interpret mode.
 """
 from __future__ import annotations
@@ -164,6 +165,11 @@ KERNEL_MODULES = {"gpu": "jax.experimental.pallas.ops.gpu.paged_attention",     
                   "tpu": "jax.experimental.pallas.ops.tpu.paged_attention"}       # from jax 0.11: docs/device_check.md)
 
 
+def _kind(platform: str) -> str:
+    """Which of jax's paged-attention kernels serves `platform`: "tpu" (Mosaic) or "gpu" (Triton)."""
+    return "tpu" if platform == "tpu" else "gpu"
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_missing(kind: str) -> str:
     """Why jax's paged-attention kernel `kind` ("gpu" | "tpu") cannot be imported here ("" when it
@@ -181,22 +187,19 @@ def kernel_missing(kind: str) -> str:
 @functools.lru_cache(maxsize=None)
 def kernel_fails_to_lower(platform: str) -> str:
     """Why jax's paged-attention kernel does not lower for `platform` ("gpu" | "cuda" | "rocm" |
-    "tpu") here ("" when it does): probed once, at a small shape, as `pallas_lowers_on` probes the
-    adapter kernels, so a jax or a device the kernel does not build for gets the gather path and
-    one log line instead of a decode step that fails at its first call."""
-    from preft_jax.lowering import lower_for
+    "tpu") here ("" when it does): probed once per process, at a small shape, as `pallas_lowers_on`
+    probes the adapter kernels, so a jax or a device the kernel does not lower for gets the gather
+    path and one log line instead of a decode step that fails at its first call."""
+    from preft_jax.lowering import lowers
     S = jax.ShapeDtypeStruct
     L, KV, NB, bs, hd, R, H, nb = 2, 2, 8, 16, 128, 2, 8, 2
     pool = S((L, KV, NB, bs, hd), jnp.bfloat16)
     args = (S((R, H, hd), jnp.bfloat16), pool, pool, S((R, nb), jnp.int32), S((R,), jnp.int32))
-    kind = "tpu" if platform == "tpu" else "gpu"
-    try:
-        lower_for(jax.jit(lambda q, k, v, t, n: kernel_decode_attention(q, k, v, 1, t, n, kind)), *args,
-                  platform=platform)
-    except Exception as e:     # noqa: BLE001  (any lowering failure means "not on this platform")
-        return f"jax {jax.__version__}'s {kind} paged-attention kernel does not lower for {platform} " \
-               f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
-    return ""
+    kind = _kind(platform)
+    why = lowers(jax.jit(lambda q, k, v, t, n: kernel_decode_attention(q, k, v, 1, t, n, kind)), *args,
+                 platform=platform)
+    return f"jax {jax.__version__}'s {kind} paged-attention kernel does not lower for {platform} ({why})" \
+        if why else ""
 
 
 def kernel_supported(cfg: ModelConfig, block_size: int, pages_per_seq: int, platform: str) -> tuple[bool, str]:
@@ -215,7 +218,7 @@ def kernel_supported(cfg: ModelConfig, block_size: int, pages_per_seq: int, plat
             return False, f"block_size {block_size} is not a power of two >= 16"
     else:
         return False, f"no paged-attention kernel for platform {platform!r}"
-    why = kernel_missing("tpu" if platform == "tpu" else "gpu") or kernel_fails_to_lower(platform)
+    why = kernel_missing(_kind(platform)) or kernel_fails_to_lower(platform)
     return not why, why
 
 
@@ -239,7 +242,9 @@ def choose_attention(cfg: ModelConfig, block_size: int, platform: str | None = N
         return "gather"
     ok, why = kernel_supported(cfg, block_size, 0, platform)
     if not ok:
-        log.warning("paged attention: no %s kernel (%s); using the gather path", platform, why)
+        if ("unsupported", platform, why) not in _logged:
+            _logged.add(("unsupported", platform, why))
+            log.warning("paged attention: no %s kernel (%s); using the gather path", platform, why)
         return "gather"
     return "kernel:tpu" if platform == "tpu" else "kernel:gpu"
 
@@ -340,7 +345,9 @@ def kernel_decode_attention(q, k_pool, v_pool, layer, block_tables, lengths, pla
     args = (qs, kp, vp, tables, lens)
     interp = functools.partial(_gpu_kernel, ppb=ppb, k_splits=k_splits, interpret=True)
     if platform == "tpu":
-        out = jax.lax.platform_dependent(*args, tpu=functools.partial(_tpu_kernel, ppb=ppb), default=interp)
+        tpu = functools.partial(_tpu_kernel, ppb=ppb)
+        # every branch is traced: without jax's GPU (Triton) kernel, off a TPU it is not run anyway
+        out = jax.lax.platform_dependent(*args, tpu=tpu, default=tpu if kernel_missing("gpu") else interp)
     else:
         gpu = functools.partial(_gpu_kernel, ppb=ppb, k_splits=k_splits, interpret=False)
         out = jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=interp)

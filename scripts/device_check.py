@@ -55,6 +55,7 @@ import pathlib
 import platform as pyplatform
 import statistics
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -197,6 +198,7 @@ class WarningLog:
 
     def __init__(self):
         self.seen: dict[tuple[str, str], list] = {}      # (category, message) -> [places, first place]
+        self._lock = threading.Lock()                   # the engines' threads warn too
 
     def __enter__(self) -> "WarningLog":
         self._scope = warnings.catch_warnings()         # restores the filters and showwarning on exit
@@ -212,10 +214,13 @@ class WarningLog:
     def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
         text = (str(message).strip().splitlines() or [""])[0][:300]
         key = (category.__name__, text)
-        if key not in self.seen:
-            self.seen[key] = [0, f"{_short_path(filename)}:{lineno}"]
+        with self._lock:
+            first = key not in self.seen
+            if first:
+                self.seen[key] = [0, f"{_short_path(filename)}:{lineno}"]
+            self.seen[key][0] += 1
+        if first:
             self._print(message, category, filename, lineno, file, line)
-        self.seen[key][0] += 1
 
     def lines(self) -> list[str]:
         return [f"- {cat} ({n} place{'s' if n > 1 else ''}, first {where}): {text}"
@@ -223,7 +228,10 @@ class WarningLog:
 
 
 def _short_path(filename: str) -> str:
-    """A source path from its package down (`jax/_src/...`, `preft_jax/...`), not the machine's prefix."""
+    """A source path from its package down (`jax/_src/...`, `preft_jax/...`), not the machine's
+    prefix; a name that is no path (`<string>`, `<frozen importlib._bootstrap>`) as it is."""
+    if filename.startswith("<"):
+        return filename
     parts = pathlib.PurePath(filename).parts
     for k in range(len(parts) - 1, -1, -1):
         if parts[k] in ("site-packages", "dist-packages"):
@@ -768,6 +776,7 @@ def _main(args, argv, sections: list[str], log: WarningLog) -> int:
             lines = [f"FAIL: {_err(e)}"]
         rep.section(title, time.perf_counter() - t0, lines)
         gc.collect()          # a section's models, engines and pools (reference cycles too) leave the device
+    rep.write()               # with the warnings raised since the last section's write
     failed = any("FAIL" in line for _, _, lines in rep.sections for line in lines)
     print(f"\nwrote {rep.out} in {time.perf_counter() - rep.t0:.0f} s; {'FAILURES' if failed else 'all checks passed'}")
     return 1 if failed else 0

@@ -113,3 +113,4 @@ def test_warning_log_keeps_hidden_deprecations_for_the_report(tmp_path, monkeypa
     assert dc._short_path("/usr/lib/python3.12/site-packages/jax/_src/pallas/pallas_call.py") == \
         "jax/_src/pallas/pallas_call.py"
     assert dc._short_path(str(ROOT / "preft_jax" / "paged_kv.py")) == "preft_jax/paged_kv.py"
+    assert dc._short_path("<frozen importlib._bootstrap>") == "<frozen importlib._bootstrap>"

@@ -80,7 +80,7 @@ def pallas_lowers_on(platform: str) -> bool:
     if platform == "cpu":
         return True
     import pallas_kernels
-    from preft_jax.lowering import lower_for, lowering_platform
+    from preft_jax.lowering import lowering_platform, lowers
     lp = lowering_platform(platform)
     T, d, r, n = 32, 128, 8, 3
     x = jax.ShapeDtypeStruct((T, d), jnp.float32)
@@ -92,12 +92,11 @@ def pallas_lowers_on(platform: str) -> bool:
     probes = [(functools.partial(pallas_kernels.lora_sgmv, interpret=False), (x, A, B, idx)),
               (functools.partial(pallas_kernels.lora_bgmv, interpret=False), (x, A, B, idx)),
               (functools.partial(pallas_kernels.reft_apply, interpret=False), (x, R, R, b, s, idx))]
-    try:
-        for fn, args in probes:
-            lower_for(jax.jit(fn), *args, platform=lp)
-    except Exception as e:     # noqa: BLE001  (any lowering failure means "not on this platform")
-        log.info("pallas kernels do not lower on %s: %s", lp, str(e).splitlines()[0] if str(e) else e)
-        return False
+    for fn, args in probes:
+        why = lowers(jax.jit(fn), *args, platform=lp)
+        if why:                # any lowering failure means "not on this platform"
+            log.info("pallas kernels do not lower on %s: %s", lp, why)
+            return False
     return True
 
 
