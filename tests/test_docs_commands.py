@@ -568,7 +568,7 @@ def test_documented_pytest_command(cmd: Command):
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a in ("-m", "-k", "-p", "-n", "--dist", "--timeout", "--durations"):
+        if a in ("-m", "-k", "-p", "-n", "-W", "--dist", "--timeout", "--durations"):
             if a == "-m":
                 names = set(re.findall(r"[A-Za-z_]\w*", argv[i + 1])) - {"and", "or", "not"}
                 assert names <= MARKERS, f"{cmd.id}: unregistered markers {sorted(names - MARKERS)}"
