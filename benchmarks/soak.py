@@ -139,6 +139,9 @@ def _delta_text(choice: dict, chat: bool) -> str:
     return (choice["delta"].get("content") or "") if chat else choice["text"]
 
 
+PRUNE_S = 11.0     # anyio retires a worker thread idle for 10 s at the next call on the pool (soak.settle)
+
+
 class Client:
     """The soak's HTTP client: every call returns (status, payload) and never raises for HTTP errors."""
 
@@ -288,10 +291,16 @@ class Soak:
     def settle(self, client: Client, baseline: dict | None, seconds: float, stable: float = 12.0) -> dict:
         """Idle values once idle keep-alive connections and worker threads have timed out: as soon as
         fds and threads are back to `baseline`, or (no baseline) have not changed for `stable` s; at
-        most `seconds`."""
+        most `seconds`. The server's tokenizer threads (anyio's worker threads) retire after 10 s
+        idle, but only when the next tokenization comes: every `PRUNE_S` one small request comes,
+        as a live server's traffic would, so the threads a busier minute started end."""
         deadline = time.monotonic() + seconds
         last, since = None, time.monotonic()
+        nudged = time.monotonic()
         while True:
+            if time.monotonic() - nudged >= PRUNE_S:
+                client.post("/v1/completions", {"model": client.model_id, "prompt": "idle", "max_tokens": 1})
+                nudged = time.monotonic()
             v = self.idle(client)
             if baseline is not None and v["fds"] <= baseline["fds"] and v["threads"] <= baseline["threads"]:
                 return v
