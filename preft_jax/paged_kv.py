@@ -246,7 +246,7 @@ def choose_attention(cfg: ModelConfig, block_size: int, platform: str | None = N
             _logged.add(("unsupported", platform, why))
             log.warning("paged attention: no %s kernel (%s); using the gather path", platform, why)
         return "gather"
-    return "kernel:tpu" if platform == "tpu" else "kernel:gpu"
+    return f"kernel:{_kind(platform)}"
 
 
 GPU_PROGRAMS_TARGET = 264      # ~2 waves of an H100/H200's 132 SMs: split K until the grid has this many programs
