@@ -69,5 +69,12 @@ def lowers(jitted, *args, platform: str, **kwargs) -> str:
     try:
         lower_for(jitted, *args, platform=platform, **kwargs)
     except Exception as e:     # noqa: BLE001
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        return error_line(e)
     return ""
+
+
+def error_line(e: BaseException, limit: int = 200) -> str:
+    """An error in one line: its type and the first line of its message (at most `limit` characters;
+    the type again when the message is empty)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"{type(e).__name__}: {first[:limit]}"

@@ -69,6 +69,7 @@ import numpy as np                         # noqa: E402
 
 from preft_jax.adapters import apply       # noqa: E402
 from preft_jax.adapters.context import AdapterContext, pallas_lowers_on, resolve_backend   # noqa: E402
+from preft_jax.lowering import error_line  # noqa: E402
 from benchmarks import cost_model as cm   # noqa: E402
 from preft_jax.config import ModelConfig   # noqa: E402
 
@@ -243,8 +244,8 @@ def _short_path(filename: str) -> str:
 
 
 def _err(e: BaseException) -> str:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return f"{type(e).__name__}: {first[:160]}".replace("|", "/")
+    """`lowering.error_line`, safe in a markdown table."""
+    return error_line(e, 160).replace("|", "/")
 
 
 def _rel(a, b) -> float:

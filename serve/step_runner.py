@@ -525,9 +525,10 @@ class StepRunner:
 
     # ---- calls -----------------------------------------------------------------------------
     def add_call_hook(self, hook: Callable[[StepCall, Callable[[StepCall], object]], object]) -> Callable[[], None]:
-        """Wraps every `paged_step` call of this runner: hook(call, run) must return run(call) (or
-        raise). Benchmarks record calls with it, tests inject failures. Returns the hook's removal
-        (hooks come off in the reverse order of adding)."""
+        """Wraps every `paged_step` call of this runner: hook(call, run) returns the call's output,
+        normally run(call), or raises. Benchmarks record calls with it (and answer them from a
+        recording, the device left out), tests inject failures. Returns the hook's removal (hooks
+        come off in the reverse order of adding)."""
         inner = self._run
 
         def wrapped(call):

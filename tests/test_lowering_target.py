@@ -63,3 +63,10 @@ def test_lowers_answers_why_not():
     assert lowers(jax.jit(broken), x, platform="cuda") == "NotImplementedError: no lowering rule for frobnicate"
     with pytest.raises(NotImplementedError):
         lower_for(jax.jit(broken), x, platform="cuda")
+
+
+def test_error_line_is_the_type_and_first_line_cut_to_the_limit():
+    from preft_jax.lowering import error_line
+    assert error_line(ValueError("first line\nsecond")) == "ValueError: first line"
+    assert error_line(RuntimeError("  ")) == "RuntimeError: RuntimeError"
+    assert error_line(KeyError("x" * 300), 10) == "KeyError: 'xxxxxxxxx"
