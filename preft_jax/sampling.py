@@ -33,15 +33,13 @@ class SamplingParams:
         _number(self.temperature, "temperature")
         _number(self.top_p, "top_p")
         _integer(self.top_k, "top_k")
-        _integer(self.max_new_tokens, "max_new_tokens")
+        _integer(self.max_new_tokens, "max_new_tokens", minimum=1)
         if self.temperature < 0:
             raise SamplingError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SamplingError("top_k", f"must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise SamplingError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
@@ -51,9 +49,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None:
-                _integer(v, name)
-                if v > MAX_TOP_LOGPROBS:
-                    raise SamplingError(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+                _integer(v, name, maximum=MAX_TOP_LOGPROBS)
 
 
 class SamplingError(ValueError):
@@ -84,12 +80,12 @@ def _number(v, name: str) -> None:
         raise SamplingError(name, f"must be a finite number, got {shown(v)}")
 
 
-def _integer(v, name: str, minimum: int = 0) -> None:
-    """An integer in [minimum, 2^31 - 1] (the engine keeps it as int32)."""
+def _integer(v, name: str, minimum: int = 0, maximum: int = INT32_MAX) -> None:
+    """An integer in [minimum, maximum] (at most 2^31 - 1: the engine keeps it as int32)."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise SamplingError(name, f"must be an integer, got {type(v).__name__}")
-    if not minimum <= int(v) <= INT32_MAX:
-        raise SamplingError(name, f"must be in [{minimum}, {INT32_MAX}], got {shown(v)}")
+    if not minimum <= int(v) <= maximum:
+        raise SamplingError(name, f"must be in [{minimum}, {maximum}], got {shown(v)}")
 
 
 def seed_key_data(seed: int, index: int = 0) -> np.ndarray:

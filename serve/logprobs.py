@@ -7,7 +7,8 @@ most likely tokens there. Prompt entries (echo) start with None: nothing predict
 * chat (`logprobs: true`, `top_logprobs: k`): choices[].logprobs.content[] =
   {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}] * k};
 * legacy completions (`logprobs: k`): choices[].logprobs = {tokens, token_logprobs, top_logprobs,
-  text_offset}, `top_logprobs` a {token: logprob} map per token (None for the first prompt token).
+  text_offset}, `top_logprobs` a {token: logprob} map per token (None for the first prompt token):
+  the k most likely and the token itself (up to k + 1 entries, as OpenAI and vLLM answer).
   `text_offset[i]` is the character offset in the choice's `text` where token i's text starts.
 A token whose bytes are not valid UTF-8 on their own (part of a character) is written
 "bytes:\\xNN..." in the legacy `tokens` and chat `token` fields; chat `bytes` always has the raw bytes.
@@ -60,7 +61,9 @@ def legacy(tt: TokenText, ids, entries, offsets) -> dict:
             tops.append(None)
         else:
             token_lps.append(e[0])
-            tops.append({tt.text(j): v for j, v in e[1]})
+            top = {tt.text(j): v for j, v in e[1]}
+            top.setdefault(tt.text(i), e[0])
+            tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": list(offsets)}
 
 

@@ -7,13 +7,16 @@ sampling fields by `SamplingParams` (a `SamplingError` becomes a 400 naming the 
 what the engine can represent (vocabulary, context, `n` <= rows) by serve/validation.py at submit.
 
 Fields the server cannot honour yet (`logit_bias`, `response_format` other than text, tools, `suffix`,
-`best_of` other than `n`, penalties) are a 400; unknown fields are ignored, as OpenAI does.
+`best_of` other than `n`, penalties, and vLLM's extensions that change the output: `min_tokens`,
+`min_p`, `repetition_penalty`, beam search, guided decoding, ... - `UNSUPPORTED`) are a 400 naming the
+field when set to anything but their neutral value; unknown fields are ignored, as OpenAI does.
+vLLM's `top_k`, `ignore_eos` and `stop_token_ids` are honoured.
 """
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+import re
 
 from preft_jax.sampling import INT32_MAX, SamplingError, SamplingParams, shown
 from serve.errors import RequestError
@@ -24,6 +27,31 @@ MAX_NAME_CHARS = 256
 MAX_PROMPTS = 64          # prompts in one /v1/completions request
 MAX_CHOICES = 128         # prompts x n in one request
 MAX_TEMPERATURE = 2.0     # the OpenAI API's range is [0, 2]
+MAX_STOP_TOKEN_IDS = 64   # vLLM's `stop_token_ids` per request
+
+# vLLM's sampling extensions this server does not implement: key -> (its neutral values, what a
+# request sets it to without changing the output). Anything else is a 400 naming the key: silently
+# ignoring a field that changes the output would hand the client another distribution than it asked for.
+UNSUPPORTED = {
+    "min_tokens": ((None, 0), "0"),
+    "min_p": ((None, 0, 0.0), "0"),
+    "repetition_penalty": ((None, 1, 1.0), "1"),
+    "length_penalty": ((None, 1, 1.0), "1"),
+    "use_beam_search": ((None, False), "false"),
+    "include_stop_str_in_output": ((None, False), "false"),
+    "skip_special_tokens": ((None, True), "true"),
+    "prompt_logprobs": ((None,), "absent; /v1/completions gives prompt log-probabilities with 'echo' and "
+                                 "'logprobs'"),
+    "guided_json": ((None,), "absent"),
+    "guided_regex": ((None,), "absent"),
+    "guided_choice": ((None,), "absent"),
+    "guided_grammar": ((None,), "absent"),
+    "structured_outputs": ((None,), "absent"),
+    "allowed_token_ids": ((None,), "absent"),
+    "bad_words": ((None, []), "absent"),
+    "logits_processors": ((None, []), "absent"),
+    "truncate_prompt_tokens": ((None,), "absent"),
+}
 
 
 class BadRequest(RequestError):
@@ -120,16 +148,31 @@ def stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(text(s, "stop", MAX_STOP_CHARS) for s in stop)
 
 
+def stop_token_ids(body: dict) -> tuple[int, ...]:
+    """vLLM's `stop_token_ids`: a list of token ids (non-negative; serve/validation.py checks them
+    against the vocabulary) that end a choice like EOS does (the id is not part of the output)."""
+    ids = get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in ids):
+        raise BadRequest("'stop_token_ids' must be a list of non-negative integer token ids", "stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+    return tuple(ids)
+
+
 def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], logprobs: int | None = None,
              prompt_logprobs: int | None = None) -> SamplingParams:
-    """The body's sampling fields as SamplingParams (which checks their values)."""
+    """The body's sampling fields as SamplingParams (which checks their values). `stop_ids`: the
+    model's EOS ids, which vLLM's `ignore_eos` drops and its `stop_token_ids` adds to."""
     temperature = get(body, "temperature", (int, float), 1.0)
     if temperature > MAX_TEMPERATURE:
         raise BadRequest(f"'temperature' must be at most {MAX_TEMPERATURE:g} (the OpenAI API's range), got "
                          f"{shown(temperature)}", "temperature")
     top_k = get(body, "top_k", int, 0)
+    if top_k < -1:
+        raise BadRequest(f"'top_k' must be -1 or 0 (off) or a positive integer, got {shown(top_k)}", "top_k")
     if get(body, "ignore_eos", bool, False):     # vLLM's extension: the model's EOS ids do not stop it
-        stop_ids = (-1,)
+        stop_ids = ()
+    stop_ids = tuple(dict.fromkeys(stop_ids + stop_token_ids(body))) or (-1,)     # (-1,): nothing stops it
     try:
         return SamplingParams(temperature=temperature, top_p=get(body, "top_p", (int, float), 1.0),
                               top_k=0 if top_k == -1 else top_k,              # -1 or 0: off (vLLM uses -1)
@@ -186,10 +229,19 @@ def common_checks(body: dict) -> None:
         raise BadRequest("'tool_choice' is not supported", "tool_choice")
     integer(body, "seed", None, -(2 ** 63), 2 ** 64 - 1)      # per request: same seed, same output
     get(body, "user", str, "")
-    get(body, "stream", bool, False)
-    so = get(body, "stream_options", dict, {})
-    if "include_usage" in so and not isinstance(so["include_usage"], bool):
-        raise BadRequest("'stream_options.include_usage' must be a boolean", "stream_options")
+    stream = get(body, "stream", bool, False)
+    so = get(body, "stream_options", dict, None)
+    if so is not None and not stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    for key in ("include_usage", "continuous_usage_stats"):
+        if key in (so or {}) and not isinstance(so[key], bool):
+            raise BadRequest(f"'stream_options.{key}' must be a boolean", "stream_options")
+    if (so or {}).get("continuous_usage_stats"):
+        raise BadRequest("'stream_options.continuous_usage_stats' is not supported", "stream_options")
+    for key, (neutral, what) in UNSUPPORTED.items():
+        v = body.get(key)
+        if not any(v == x and type(v) is type(x) for x in neutral):
+            raise BadRequest(f"'{key}' is not supported (must be {what})", key)
 
 
 def max_tokens(body: dict, keys: tuple[str, ...], default: int, prompt_len: int, max_len: int) -> int:
@@ -203,6 +255,19 @@ def max_tokens(body: dict, keys: tuple[str, ...], default: int, prompt_len: int,
 def max_tokens_key(body: dict) -> str:
     """The chat body's key of the token limit: max_completion_tokens when given, else max_tokens."""
     return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def in_body_words(e: RequestError, words: dict[str, tuple[str, str]]) -> RequestError:
+    """The engine's refusal `e` in the words of the body the client sent (`words`: the engine's field
+    -> (the body's key, what the message calls it); a chat body has no 'prompt' but 'messages'): its
+    param and the message's mentions renamed, its class (status, code) kept; `e` itself when its
+    param is none of them."""
+    if e.param not in words:
+        return e
+    message = str(e)
+    for engine_word, (_, phrase) in words.items():
+        message = re.sub(rf"\b(?:the )?{re.escape(engine_word)}\b", phrase, message)
+    return type(e)(message, words[e.param][0])
 
 
 def completion_prompts(body: dict) -> list[str | list[int]]:
@@ -232,6 +297,8 @@ def completion_prompt(body: dict) -> str | list[int]:
 
 
 def chat_messages(body: dict) -> list[dict]:
+    """`messages`: each {"role", "content"} (content a string, a list of text parts, or null on an
+    assistant turn), with its optional `name` handed to the chat template as transformers does."""
     messages = get(body, "messages", list)
     if not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -242,11 +309,22 @@ def chat_messages(body: dict) -> list[dict]:
         role = text(m["role"], f"messages[{i}].role", 64)
         content = m.get("content")
         if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise BadRequest(f"messages[{i}].content[{j}]: only text parts are supported, got "
+                                     f"{str(kind)[:64]!r}", "messages")
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(f"messages[{i}].content[{j}].text must be a string", "messages")
             content = "".join(p["text"] for p in content)
+        if content is None and role == "assistant":     # an assistant turn that only called tools
+            content = ""
         if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": role, "content": text(content, f"messages[{i}].content")})
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        msg = {"role": role, "content": text(content, f"messages[{i}].content")}
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise BadRequest(f"messages[{i}].name must be a string", "messages")
+            msg["name"] = text(m["name"], f"messages[{i}].name", MAX_NAME_CHARS)
+        out.append(msg)
     return out

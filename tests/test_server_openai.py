@@ -5,7 +5,10 @@ reference: the tiny model's dense forward run here (preft_jax, not the server's 
 float64 log_softmax of its raw logits."""
 from __future__ import annotations
 
+import json
 import threading
+
+import httpx
 
 import jax.numpy as jnp
 import numpy as np
@@ -127,8 +130,11 @@ def test_legacy_logprobs_with_echo_equal_the_model_log_softmax(client, reference
         row = ref[i - 1]
         assert abs(lp.token_logprobs[i] - row[ids[i]]) < 2e-4, i
         top = sorted(lp.top_logprobs[i].items(), key=lambda kv: -kv[1])
-        assert [_legacy_id(t) for t, _ in top] == np.argsort(-row)[:3].tolist()
-        np.testing.assert_allclose([v for _, v in top], np.sort(row)[::-1][:3], atol=2e-4)
+        assert [_legacy_id(t) for t, _ in top][:3] == np.argsort(-row)[:3].tolist()
+        np.testing.assert_allclose([v for _, v in top][:3], np.sort(row)[::-1][:3], atol=2e-4)
+        # the token itself is always there (OpenAI, vLLM): a 4th entry when it is not among the top 3
+        assert lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]
+        assert len(top) == (3 if ids[i] in np.argsort(-row)[:3] else 4)
     assert lp.text_offset[:len(prompt)] == list(range(len(prompt)))
     assert lp.text_offset[len(prompt)] == len(prompt) and lp.text_offset == sorted(lp.text_offset)
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.9, seed=1, logprobs=3)
@@ -196,3 +202,179 @@ def test_bad_combinations_are_clear_400s(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, top_logprobs=2)
     assert "logprobs" in e.value.body["message"]
+
+
+# ---- OpenAI / vLLM conformance: fields a client sends that change the output ----------------------
+def _body(server, path, body, status=200):
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+    assert r.status_code == status, (r.status_code, r.text)
+    return r.json()
+
+
+def _error(server, path, body) -> tuple[str, str]:
+    err = _body(server, path, body, 400)["error"]
+    return err["message"], err["param"]
+
+
+def _greedy(ids: list[int], n: int) -> list[int]:
+    """The dense reference's greedy tokens, nothing stopping them."""
+    runner = ModelRunner(Llama.from_params(CFG, tiny_params(CFG)))
+    from preft_jax.sampling import SamplingParams
+    return runner.generate([ids], SamplingParams(max_new_tokens=n, stop_token_ids=(-1,)))[0].tokens
+
+
+def test_stop_token_ids_end_a_choice_at_the_first_of_them(server):
+    prompt = "xyz 123"                       # the tiny model's greedy tokens change once in 12 (most repeat one)
+    ref = _greedy(TOK.encode(prompt), 12)
+    stop = next(t for t in ref[2:] if t not in ref[:2])          # a token that first appears at index >= 2
+    at = ref.index(stop)
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "stop_token_ids": [stop], "stream": stream}
+        if stream:
+            text, finish = "", None
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        c = json.loads(line[6:])["choices"][0]
+                        text, finish = text + c["text"], c["finish_reason"] or finish
+        else:
+            out = _body(server, "/v1/completions", body)
+            text, finish = out["choices"][0]["text"], out["choices"][0]["finish_reason"]
+            assert out["usage"]["completion_tokens"] == at
+        assert (text, finish) == (TOK.decode(ref[:at]), "stop"), stream
+    chat = {"model": "tiny", "messages": MSGS, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    first = _body(server, "/v1/chat/completions", dict(chat, logprobs=True))["choices"][0]["logprobs"]["content"][0]
+    stopped = _body(server, "/v1/chat/completions", dict(chat, stop_token_ids=[first["bytes"][0]]))
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 0
+    for bad, message in [("5", "'stop_token_ids' must be a list, got str"),
+                         ([1.5], "'stop_token_ids' must be a list of non-negative integer token ids"),
+                         ([-1], "'stop_token_ids' must be a list of non-negative integer token ids"),
+                         ([True], "'stop_token_ids' must be a list of non-negative integer token ids"),
+                         (list(range(65)), "'stop_token_ids' takes at most 64 ids")]:
+        assert _error(server, "/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": bad}) == \
+            (message, "stop_token_ids")
+    assert _error(server, "/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [256]})[0] == \
+        "stop token ids must be < 256 (negative: none), got [256]"
+
+
+def test_extensions_that_change_the_output_are_refused_unless_neutral(server):
+    from serve.protocol import UNSUPPORTED
+    changed = {"min_tokens": 3, "min_p": 0.1, "repetition_penalty": 1.5, "length_penalty": 0.5,
+               "use_beam_search": True, "include_stop_str_in_output": True, "skip_special_tokens": False,
+               "prompt_logprobs": 1, "guided_json": {"type": "object"}, "guided_regex": "a+",
+               "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
+               "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["f"],
+               "truncate_prompt_tokens": 4}
+    assert set(changed) == set(UNSUPPORTED)
+    for key, value in changed.items():
+        message, param = _error(server, "/v1/completions", {"model": "tiny", "prompt": "x", key: value})
+        assert param == key and message.startswith(f"'{key}' is not supported (must be "), message
+    assert _error(server, "/v1/chat/completions", {"model": "tiny", "messages": MSGS, "min_tokens": 1}) == \
+        ("'min_tokens' is not supported (must be 0)", "min_tokens")
+    neutral = {"min_tokens": 0, "min_p": 0.0, "repetition_penalty": 1, "length_penalty": 1.0,
+               "use_beam_search": False, "include_stop_str_in_output": False, "skip_special_tokens": True,
+               "bad_words": []}
+    base = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+    assert _body(server, "/v1/completions", dict(base, **neutral))["choices"] == \
+        _body(server, "/v1/completions", base)["choices"]
+    assert _error(server, "/v1/chat/completions", {"model": "tiny", "messages": MSGS, "echo": True}) == \
+        ("'echo' is not supported on /v1/chat/completions", "echo")
+
+
+def test_stream_options_need_stream_and_usage_is_null_until_the_last_chunk(server):
+    body = {"model": "tiny", "messages": MSGS, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    assert _error(server, "/v1/chat/completions", body) == \
+        ("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    assert _error(server, "/v1/completions", {"model": "tiny", "prompt": "x", "stream": True,
+                                              "stream_options": {"continuous_usage_stats": True}}) == \
+        ("'stream_options.continuous_usage_stats' is not supported", "stream_options")
+    for path, extra in (("/v1/chat/completions", {}), ("/v1/completions", {"prompt": "hi", "messages": None})):
+        chunks = []
+        with httpx.stream("POST", f"{server.url}{path}", json=dict(body, stream=True, n=2, **extra), timeout=120) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert len(chunks) > 2 and all(c["usage"] is None for c in chunks[:-1]), path
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8, chunks[-1]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                                    "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and all("usage" not in c for c in chunks)      # without the option: no usage key at all
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server, reference):
+    prompt = "score me"
+    ids = TOK.encode(prompt)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2, "n": 2}
+    out = _body(server, "/v1/completions", body)
+    ref = reference(ids)
+    for c in out["choices"]:
+        assert c["text"] == prompt and c["finish_reason"] == "length"
+        lp = c["logprobs"]
+        assert [_legacy_id(t) for t in lp["tokens"]] == ids and lp["text_offset"] == list(range(len(ids)))
+        assert lp["token_logprobs"][0] is None
+        np.testing.assert_allclose(lp["token_logprobs"][1:], [ref[i - 1][ids[i]] for i in range(1, len(ids))],
+                                   atol=2e-4)
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=dict(body, stream=True, n=1,
+                                                                       stream_options={"include_usage": True}),
+                      timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == prompt
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    for body in ({"model": "tiny", "prompt": "x", "max_tokens": 0},                       # no echo: nothing to do
+                 {"model": "tiny", "prompt": "x", "max_tokens": -1, "echo": True}):
+        assert _error(server, "/v1/completions", body)[1] == "max_tokens"
+
+
+def test_legacy_top_logprobs_always_hold_the_sampled_token(server):
+    out = _body(server, "/v1/completions", {"model": "tiny", "prompt": "abc", "max_tokens": 6, "temperature": 2.0,
+                                            "seed": 3, "logprobs": 0})
+    lp = out["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
+
+
+def test_range_errors_name_the_real_limits(server):
+    chat = {"model": "tiny", "messages": MSGS}
+    for path, extra, want in [
+            ("/v1/completions", {"max_tokens": -1}, ("'max_tokens' must be in [1, 2147483647], got -1", "max_tokens")),
+            ("/v1/completions", {"max_tokens": 0}, ("'max_tokens' must be in [1, 2147483647], got 0", "max_tokens")),
+            ("/v1/completions", {"logprobs": -1}, ("'logprobs' must be in [0, 20], got -1", "logprobs")),
+            ("/v1/completions", {"top_k": -2}, ("'top_k' must be -1 or 0 (off) or a positive integer, got -2", "top_k")),
+            ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1},
+             ("'top_logprobs' must be in [0, 20], got -1", "top_logprobs")),
+            ("/v1/chat/completions", {"max_completion_tokens": -3},
+             ("'max_completion_tokens' must be in [1, 2147483647], got -3", "max_completion_tokens"))]:
+        base = chat if "chat" in path else {"model": "tiny", "prompt": "x"}
+        assert _error(server, path, dict(base, **extra)) == want
+
+
+def test_chat_errors_name_the_fields_of_a_chat_body(server):
+    long = {"model": "tiny", "messages": [{"role": "user", "content": "y" * 200}]}       # fits the pre-check
+    message, param = _error(server, "/v1/chat/completions", long)
+    assert param == "messages" and message.startswith("the conversation has ") and "prompt" not in message
+    message, param = _error(server, "/v1/chat/completions", {"model": "tiny", "messages": MSGS,
+                                                             "max_completion_tokens": 1000})
+    assert param == "max_completion_tokens" and "max_completion_tokens=1000 exceeds" in message, message
+    assert message.startswith("the conversation of ") and "max_tokens" not in message.replace("max_completion", "")
+
+
+def test_chat_messages_take_parts_null_assistant_content_and_names(server):
+    from serve.protocol import chat_messages
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+            {"role": "user", "content": "hi", "name": "ann"},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "again"}]
+    assert chat_messages({"messages": msgs}) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": ""}, {"role": "user", "content": "again"}]
+    assert _body(server, "/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 2})["choices"]
+    for content, name, want in [
+            ([{"type": "image_url", "image_url": {"url": "x"}}], None,
+             "messages[0].content[0]: only text parts are supported, got 'image_url'"),
+            ([{"type": "text", "text": 5}], None, "messages[0].content[0].text must be a string"),
+            (None, None, "messages[0].content must be a string or a list of text parts"),
+            ("hi", 7, "messages[0].name must be a string")]:
+        m = {"role": "user", "content": content} if name is None else {"role": "user", "content": content, "name": name}
+        assert _error(server, "/v1/chat/completions", {"model": "tiny", "messages": [m]}) == (want, "messages")

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from serve import protocol
 from serve.api.common import api_context
 from serve.api.formatting import ChatFormat
+from serve.errors import RequestError
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 CHAT_TEMPLATE_OVERHEAD_TOKENS = 256     # room the pre-check leaves for the template's own tokens
@@ -26,6 +27,8 @@ async def chat_completions(request: Request):
     ctx = api_context(request)
     body, adapter = await ctx.read(request)
     n = protocol.n_choices(body)
+    if protocol.get(body, "echo", bool, False):
+        raise protocol.BadRequest("'echo' is not supported on /v1/chat/completions", "echo")
     k_lp = protocol.chat_logprobs(body)
     msgs = protocol.chat_messages(body)
     ctx.precheck(sum(len(m["content"].encode("utf-8")) for m in msgs), "the conversation",
@@ -35,6 +38,10 @@ async def chat_completions(request: Request):
                                      len(prompt_ids), ctx.max_len)
     sp = protocol.sampling(body, max_tokens, ctx.default_stop, logprobs=k_lp)
     stop = protocol.stop_strings(body)
-    reqs, sink = await ctx.submit(request, [prompt_ids], adapter, [sp], stop, n)
+    try:
+        reqs, sink = await ctx.submit(request, [prompt_ids], adapter, [sp], stop, n)
+    except RequestError as e:            # the engine's words are a completion's: 'prompt', 'max_tokens'
+        key = protocol.max_tokens_key(body)
+        raise protocol.in_body_words(e, {"prompt": ("messages", "the conversation"), "max_tokens": (key, key)}) from None
     fmt = ChatFormat(body["model"], ctx.tokenizer, ctx.token_text, prompt_ids, len(reqs), k_lp)
     return await ctx.respond(request, reqs, sink, fmt, body)

@@ -150,25 +150,28 @@ class ApiContext:
 
     async def stream(self, reqs, sink, fmt, include_usage: bool):
         """SSE over the requests' events, formatted by `fmt` (serve/api/formatting.py). A client
-        disconnect cancels the generator (Starlette), and `finally` cancels the requests."""
+        disconnect cancels the generator (Starlette), and `finally` cancels the requests. With
+        `include_usage` every chunk carries "usage": null and a last chunk the usage (OpenAI's form)."""
+        def send(chunk: dict) -> str:
+            return sse(dict(chunk, usage=None) if include_usage else chunk)
         outs = [r.output() for r in reqs]
         deadline = max((r.deadline for r in reqs if r.deadline is not None), default=None)
         results = [None] * len(reqs)
         try:
             for chunk in fmt.first_chunks():
-                yield sse(chunk)
+                yield send(chunk)
             left = len(reqs)
             while left:
                 tag, event = await sink.get(deadline)
                 for kind, payload in outs[tag].handle(event):
                     if kind == "delta":
                         for chunk in fmt.delta_chunks(tag, outs[tag], *payload):
-                            yield sse(chunk)
+                            yield send(chunk)
                     elif kind == "done":
                         results[tag] = payload
                         left -= 1
                         for chunk in fmt.done_chunks(tag, outs[tag], payload):
-                            yield sse(chunk)
+                            yield send(chunk)
                     else:
                         raise payload
             if include_usage:

@@ -18,6 +18,9 @@ async def completions(request: Request):
     ctx = api_context(request)
     body, adapter = await ctx.read(request)
     echo = protocol.get(body, "echo", bool, False)
+    # echo with max_tokens 0 scores the prompt (OpenAI's legacy API and vLLM allow it): one token is
+    # generated, as the engine needs, and left out of the answer
+    score_only = echo and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
     if body.get("suffix"):
         raise BadRequest("'suffix' is not supported", "suffix")
     raw_prompts = protocol.completion_prompts(body)
@@ -34,9 +37,11 @@ async def completions(request: Request):
             ids = validation.prompt_ids(prompt, ctx.vocab)     # before any echo decodes them
         prompts.append(ids)
         prompt_texts.append(prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if echo else ""))
-        max_tokens = protocol.max_tokens(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, len(ids), ctx.max_len)
+        max_tokens = 1 if score_only else protocol.max_tokens(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS,
+                                                              len(ids), ctx.max_len)
         sps.append(protocol.sampling(body, max_tokens, ctx.default_stop, logprobs=k_lp,
                                      prompt_logprobs=k_lp if echo else None))
     reqs, sink = await ctx.submit(request, prompts, adapter, sps, stop, n)
-    fmt = CompletionFormat(body["model"], tokenizer, ctx.token_text, prompts, prompt_texts, n, echo, k_lp)
+    fmt = CompletionFormat(body["model"], tokenizer, ctx.token_text, prompts, prompt_texts, n, echo, k_lp,
+                           score_only)
     return await ctx.respond(request, reqs, sink, fmt, body)

@@ -22,9 +22,10 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def usage(prompts: list[list[int]], results) -> dict:
+def usage(prompts: list[list[int]], results, generated: bool = True) -> dict:
+    """`generated` False: the tokens were generated only to score the prompts (echo, max_tokens 0)."""
     p = sum(len(ids) for ids in prompts)          # each prompt once, whatever n
-    c = sum(r.completion_tokens for r in results)
+    c = sum(r.completion_tokens for r in results) if generated else 0
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -45,13 +46,16 @@ def model_entry(name: str, kind: str, created: int, base_id: str, policy=None) -
 
 class CompletionFormat:
     """/v1/completions: `prompts` (token ids) and `prompt_texts` (what `echo` repeats), `n` samples
-    each, legacy logprobs with `k_lp` alternatives (None: none)."""
+    each, legacy logprobs with `k_lp` alternatives (None: none). `score_only` (echo with max_tokens 0):
+    each choice is its echoed prompt alone, finish_reason "length", no completion tokens (what was
+    generated to get there is left out)."""
 
     def __init__(self, model: str, tokenizer, token_text: logprobs_fmt.TokenText, prompts, prompt_texts,
-                 n: int, echo: bool, k_lp: int | None):
+                 n: int, echo: bool, k_lp: int | None, score_only: bool = False):
         self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
         self.tokenizer, self.token_text = tokenizer, token_text
         self.prompts, self.prompt_texts, self.n, self.echo, self.k_lp = prompts, prompt_texts, n, echo, k_lp
+        self.score_only = score_only
         self._sent: dict[int, list[int]] = {}          # ids streamed per choice
         self._echoed: set[int] = set()
 
@@ -76,9 +80,15 @@ class CompletionFormat:
         return text, logprobs_fmt.legacy(self.token_text, self.prompts[i], entries,
                                          logprobs_fmt.text_offsets(self.tokenizer, self.prompts[i]))
 
+    def _finish(self, result) -> str:
+        return "length" if self.score_only else result.finish_reason
+
     def response(self, reqs, results) -> dict:
         choices = []
         for k, (req, result) in enumerate(zip(reqs, results)):
+            if self.score_only:
+                choices.append(self.choice(k, *self.echo_part(k, req.output()), self._finish(result)))
+                continue
             text, lp = result_text(self.tokenizer, result), None
             if self.k_lp is not None:
                 lp = logprobs_fmt.legacy(self.token_text, result.tokens, result.logprobs,
@@ -89,7 +99,7 @@ class CompletionFormat:
                 if lp is not None:
                     lp = {key: elp[key] + lp[key] for key in lp}
             choices.append(self.choice(k, text, lp, result.finish_reason))
-        return dict(self.envelope(choices), usage=usage(self.prompts, results))
+        return dict(self.envelope(choices), usage=usage(self.prompts, results, not self.score_only))
 
     # ---- streaming ---------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
@@ -103,6 +113,8 @@ class CompletionFormat:
 
     def delta_chunks(self, k, out, ids, text) -> list[dict]:
         chunks = self._echo_chunks(k, out)
+        if self.score_only:
+            return chunks
         sent = self._sent.setdefault(k, [])
         lp = None
         if self.k_lp is not None and ids:
@@ -114,10 +126,10 @@ class CompletionFormat:
         return chunks
 
     def done_chunks(self, k, out, result) -> list[dict]:
-        return self._echo_chunks(k, out) + [self.envelope([self.choice(k, "", None, result.finish_reason)])]
+        return self._echo_chunks(k, out) + [self.envelope([self.choice(k, "", None, self._finish(result))])]
 
     def usage_chunk(self, results) -> dict:
-        return dict(self.envelope([]), usage=usage(self.prompts, results))
+        return dict(self.envelope([]), usage=usage(self.prompts, results, not self.score_only))
 
 
 class ChatFormat:
