@@ -10,13 +10,14 @@ hands one CPU another's build, nor one compiler command another's. Nothing is bu
 first `available()` (or op call) builds, later processes load the cached file.
 
 Compiler: `$CXX` when set (only it: the user chose it), else the first of c++, clang++, g++ on PATH
-that builds the file.
+that builds the file. A compile that has not finished in $PREFT_CPU_NATIVE_BUILD_TIMEOUT seconds
+(default 300; a stuck compiler wrapper) is killed with everything it started, and counts as failed.
 
 The cached file is never trusted blindly: the folder holds the library and its SHA-256
 (`libpreft_cpu_native.so.sha256`), built in a hidden temporary folder and published with one atomic
 rename, so a failed or interrupted build leaves nothing behind. Before loading, the library is
 checked against its checksum; a truncated or garbled file (loading one can kill the process with a
-bus error) is deleted and rebuilt. A cache folder that cannot be written gets a build in a temporary
+bus error), or one that matches its checksum but does not load, is deleted and rebuilt. A cache folder that cannot be written gets a build in a temporary
 folder for this process only. Every degraded outcome (no compiler, a failed build, a rebuilt or
 temporary library) logs ONE line on the "pallas_kernels.cpu" logger; `library_status()` tells
 what happened, and the caller falls back to the XLA path when the library is unavailable.
@@ -32,6 +33,7 @@ import pathlib
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -54,6 +56,36 @@ class BuildError(Exception):
     """The library could not be built (the message is one line)."""
 
 
+def build_timeout() -> float:
+    """Seconds one compile may take ($PREFT_CPU_NATIVE_BUILD_TIMEOUT, default 300)."""
+    raw = os.environ.get("PREFT_CPU_NATIVE_BUILD_TIMEOUT", "").strip()
+    try:
+        value = float(raw) if raw else 300.0
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        log.warning("PREFT_CPU_NATIVE_BUILD_TIMEOUT=%r is not a positive number of seconds; using 300", raw)
+        value = 300.0
+    return value
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
+    """(exit status, stderr) of `cmd`; None for the status when it ran past `timeout` seconds: then it
+    and every process it started (its own session) are killed - a wrapper's children would otherwise
+    hold its pipes open and the wait would never end."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.communicate()
+        return None, ""
+
+
 def _cpu_signature() -> bytes:
     try:
         text = pathlib.Path("/proc/cpuinfo").read_text()
@@ -63,11 +95,25 @@ def _cpu_signature() -> bytes:
     return "\n".join(dict.fromkeys(keep)).encode()
 
 
+def _home() -> str:
+    """preft_jax.cache.location.home's answer (this package sits below preft_jax: it mirrors it)."""
+    env = os.environ.get("HOME", "")
+    if os.path.isabs(env):
+        return env
+    try:
+        import pwd
+        entry = pwd.getpwuid(os.getuid()).pw_dir
+    except (ImportError, KeyError, OSError):
+        entry = ""
+    return entry if os.path.isabs(entry) else os.path.join(tempfile.gettempdir(), f"preft_jax-{os.getuid()}")
+
+
 def libraries_dir() -> pathlib.Path:
-    """<cache root>/cpu_native: one folder per build key."""
+    """<cache root>/cpu_native: one folder per build key (the root as preft_jax.cache.location's)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
     root = os.environ.get("PREFT_JAX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "preft_jax")
-    return pathlib.Path(root) / "cpu_native"
+        xdg if os.path.isabs(xdg) else os.path.join(_home(), ".cache"), "preft_jax")
+    return pathlib.Path(root).expanduser() / "cpu_native"
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,22 +163,26 @@ def _compile_into(folder: pathlib.Path) -> None:
     candidates = compilers()
     if not candidates:
         raise BuildError(f"no C++ compiler found ($CXX is unset and none of {', '.join(COMPILERS)} is on PATH)")
-    out, failures = folder / LIBRARY, []
+    out, failures, timeout = folder / LIBRARY, [], build_timeout()
     for cxx in candidates:
         cmd = [*cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w",
                f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+        name = f"$CXX={' '.join(cxx)}" if os.environ.get("CXX", "").strip() else " ".join(cxx)
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            status, stderr = _run(cmd, timeout)
         except OSError as e:
             failures.append(f"{cxx[0]}: {e.strerror or e}")      # e.g. $CXX names no executable
             continue
-        if res.returncode == 0 and out.is_file():
+        if status is None:
+            failures.append(f"{name} did not finish in {timeout:g} s and was killed "
+                            f"($PREFT_CPU_NATIVE_BUILD_TIMEOUT)")
+            continue
+        if status == 0 and out.is_file():
             (folder / CHECKSUM).write_text(f"{_sha256(out)}  {LIBRARY}\n", encoding="ascii")
             return
-        log.debug("%s failed (status %d):\n%s", " ".join(cmd), res.returncode, res.stderr[-4000:])
-        last = next((ln.strip() for ln in reversed(res.stderr.splitlines()) if ln.strip()), "")
-        name = f"$CXX={' '.join(cxx)}" if os.environ.get("CXX", "").strip() else " ".join(cxx)
-        failures.append(f"{name} exited with status {res.returncode}" + (f" ({last[:300]})" if last else ""))
+        log.debug("%s failed (status %d):\n%s", " ".join(cmd), status, stderr[-4000:])
+        last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+        failures.append(f"{name} exited with status {status}" + (f" ({last[:300]})" if last else ""))
     raise BuildError(f"compiling {SOURCE.name} failed: " + "; ".join(failures))
 
 
@@ -176,7 +226,10 @@ def _open_library() -> tuple[ctypes.CDLL, pathlib.Path, str, str]:
     if final.exists():
         why = verify(final)
         if not why:
-            return _dlopen(final / LIBRARY), final / LIBRARY, "cached", ""
+            try:
+                return _dlopen(final / LIBRARY), final / LIBRARY, "cached", ""
+            except OSError as e:                  # its checksum matches, but it is no library for this process
+                why = f"it matches its checksum but does not load: {str(e)[:200]}"
         how, note = "rebuilt", f"the cached native CPU library in {final} was rejected ({why}); rebuilt it"
         try:
             _discard(final)
