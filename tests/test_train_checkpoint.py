@@ -80,6 +80,40 @@ def test_checkpointer_interval_and_retention(runner, tmp_path):
         Checkpointer(tmp_path / "empty").restore(st)
 
 
+def test_a_damaged_checkpoint_is_one_error_naming_its_folder(runner, tmp_path):
+    """A truncated array file or a garbled meta used to surface as Orbax / TensorStore's own exception
+    (150 lines ending in a TensorStore spec); now a CheckpointReadError naming the step folder. The
+    step before it still restores."""
+    import shutil
+
+    from train.checkpoint import CheckpointReadError
+    tc = SFTConfig(adapter=AdapterSpec(rank=2, targets=("q",)), steps=4, log_every=0)
+    st = SFTTrainer(CFG, runner.graphdef, runner.state, tc).init_state()
+    with Checkpointer(tmp_path / "good", max_to_keep=None) as c:
+        for step in (1, 2):
+            c.save(step, st, step, tc.to_json(), force=True)
+    for damage in ("truncate", "meta"):
+        ck = tmp_path / damage
+        shutil.copytree(tmp_path / "good", ck)
+        if damage == "truncate":
+            files = [p for p in (ck / "2" / "state").rglob("*") if p.is_file() and "d" in p.parent.name]
+            big = max(files, key=lambda p: p.stat().st_size)
+            big.write_bytes(big.read_bytes()[: big.stat().st_size // 3])
+        else:
+            [meta] = [p for p in (ck / "2" / "meta").rglob("*") if p.is_file() and p.name == "metadata"]
+            meta.write_text('{"step": 2, "data\x01')
+        with Checkpointer(ck) as c:
+            with pytest.raises(CheckpointReadError) as e:
+                c.restore(st) if damage == "truncate" else c.read_meta()
+            assert str(e.value).startswith(f"cannot read checkpoint {ck.absolute() / '2'} ("), damage
+            assert str(e.value).endswith("); it may be damaged (an interrupted save, a truncated or edited file): "
+                                         "move it away to resume from the step before it, or use another output "
+                                         "folder")
+            assert "\n" not in str(e.value)
+            _, meta = c.restore(st, step=1)
+            assert meta["step"] == 1
+
+
 def _trained(runner, adapter, mode, steps=3):
     tc = SFTConfig(adapter=AdapterSpec(kind=adapter, rank=3, mode=mode, targets=("q", "k", "o", "up"),
                                        layers=None if adapter == "lora" else (0, 2)),

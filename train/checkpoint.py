@@ -37,6 +37,19 @@ from preft_jax.adapters.trainable import adapter_weights
 from preft_jax.config import ModelConfig
 
 
+class CheckpointReadError(ValueError):
+    """A checkpoint step folder that cannot be read (a damaged or half-written save); the message
+    names the folder and what to do."""
+
+
+def _read_error(directory: pathlib.Path, step: int, e: BaseException) -> CheckpointReadError:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    folder = directory / str(step)
+    return CheckpointReadError(
+        f"cannot read checkpoint {folder} ({type(e).__name__}: {first}); it may be damaged (an interrupted save, "
+        f"a truncated or edited file): move it away to resume from the step before it, or use another output folder")
+
+
 class Checkpointer:
     """Saves every `save_every` steps (and when forced), keeps the newest `max_to_keep`."""
 
@@ -71,8 +84,11 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        out = self.manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
-        return dict(out[META_ITEM])
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
+            return dict(out[META_ITEM])
+        except Exception as e:      # noqa: BLE001 - Orbax and TensorStore raise many types; all mean unreadable
+            raise _read_error(self.directory, step, e) from e
 
     def restore(self, abstract_state, step: int | None = None, expect: Callable[[dict], None] | None = None):
         """(state, meta) of `step` (default: the latest), restored into `abstract_state`'s structure,
@@ -91,8 +107,11 @@ class Checkpointer:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
         target = jax.tree.map(abstract, abstract_state)
-        out = self.manager.restore(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target),
-                                                                   META_ITEM: ocp.args.JsonRestore()}))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target),
+                                                                       META_ITEM: ocp.args.JsonRestore()}))
+        except Exception as e:      # noqa: BLE001
+            raise _read_error(self.directory, step, e) from e
         return out[STATE_ITEM], dict(out[META_ITEM])
 
     def close(self):

@@ -125,10 +125,37 @@ def data_dir(a) -> pathlib.Path:
     return pathlib.Path(a.data) if a.data else pathlib.Path(a.out) / "data"
 
 
+class RunFolderError(ValueError):
+    """--out cannot be the run folder (the message names it and why)."""
+
+
+def check_run_folder(out: str | os.PathLike) -> pathlib.Path:
+    """--out made (with its parents) and writable, before anything is loaded: a RunFolderError naming the
+    flag and the fault (a file, a read-only folder) instead of a traceback from the first write."""
+    folder = pathlib.Path(out)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunFolderError(f"--out {out}: not a folder") from None
+    except OSError as e:
+        raise RunFolderError(f"--out {out}: cannot create the run folder ({e.strerror or e}: {e.filename or out})") from None
+    if not folder.is_dir():
+        raise RunFolderError(f"--out {out}: not a folder")
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RunFolderError(f"--out {out}: the run folder cannot be written ({e.strerror or e})") from None
+    return folder
+
+
 def prepare_data(a, params: dict, given: dict) -> pathlib.Path:
-    """Generates or checks the run's dataset on process 0 (train.data.prepare_dataset, one log line),
-    then waits for it everywhere. DatasetMismatchError (exit 2) when it does not fit the flags."""
+    """Checks the run folder (`check_run_folder`), generates or checks the run's dataset on process 0
+    (train.data.prepare_dataset, one log line), then waits for it everywhere. DatasetMismatchError
+    (exit 2) when it does not fit the flags."""
     from train.data import prepare_dataset
+    check_run_folder(a.out)
     folder = data_dir(a)
     if dist.is_primary():
         log.info("%s", prepare_dataset(folder, params, given))
@@ -220,14 +247,16 @@ def callbacks(a) -> tuple:
 
 def main_guard(fn, argv=None) -> int:
     """Runs fn(argv); user-fixable errors -> `error: ...` on stderr, exit status 2."""
-    from train.data import DatasetMismatchError
+    from train.checkpoint import CheckpointReadError
+    from train.data import DatasetFormatError, DatasetMismatchError
     from train.trainer import ResumeError
     try:
         fn(argv)
-    except (dist.DistributedError, ResumeError, ValueError, FileNotFoundError) as e:
+    except (dist.DistributedError, ResumeError, ValueError, OSError) as e:
         if os.environ.get("PREFT_TRACEBACK"):
             raise
-        specific = isinstance(e, (dist.DistributedError, ResumeError, FileNotFoundError, DatasetMismatchError))
+        specific = isinstance(e, (dist.DistributedError, ResumeError, FileNotFoundError, DatasetMismatchError,
+                                  DatasetFormatError, CheckpointReadError, RunFolderError))
         print(f"error: {e}" + ("" if specific else f" ({type(e).__name__}; PREFT_TRACEBACK=1 shows where)"),
               file=sys.stderr, flush=True)
         return 2

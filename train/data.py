@@ -38,6 +38,11 @@ class DatasetMismatchError(ValueError):
     """An existing dataset folder holds other data than the run asks for (the message names it)."""
 
 
+class DatasetFormatError(ValueError):
+    """A dataset file that is not jsonl rows of the fields a trainer reads (the message names the file,
+    the line and what is wrong)."""
+
+
 # ------------------------------------------------------------------------------------ on disk
 def write_dataset(folder: str | os.PathLike, n_train: int, n_eval: int, seed: int = 0,
                   tasks: Sequence[str] = TASKS, max_ops: int = 3) -> dict[str, str]:
@@ -117,13 +122,47 @@ def _describe(p: dict) -> str:
             f"tasks={','.join(p.get('tasks') or [])}, max_ops={p.get('max_ops')}")
 
 
-def load_split(folder: str | os.PathLike, split: str = "train", cache_dir: str | None = None):
-    """A `datasets.Dataset` of one split, loaded from the local jsonl with the json builder."""
+def check_jsonl(path: pathlib.Path, fields: Sequence[str] = ()) -> int:
+    """The number of rows of a jsonl file whose every non-blank line is a JSON object holding `fields`;
+    `DatasetFormatError` naming the file, the line and the fault otherwise (`datasets` answers those
+    with a traceback of its own)."""
+    rows = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as e:
+                    raise DatasetFormatError(f"{path}, line {i}: not valid JSON ({e.msg}, column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise DatasetFormatError(f"{path}, line {i}: a row must be a JSON object, got "
+                                             f"{type(row).__name__}")
+                missing = [k for k in fields if k not in row]
+                if missing:
+                    raise DatasetFormatError(f"{path}, line {i}: no {', '.join(map(repr, missing))} field (each row "
+                                             f"needs {', '.join(map(repr, fields))})")
+                rows += 1
+    except UnicodeDecodeError as e:
+        raise DatasetFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return rows
+
+
+def load_split(folder: str | os.PathLike, split: str = "train", cache_dir: str | None = None,
+               fields: Sequence[str] = ()):
+    """A `datasets.Dataset` of one split, loaded from the local jsonl with the json builder, after
+    `check_jsonl` (every row a JSON object holding `fields`, the ones its caller reads). An empty
+    eval split is an empty list (no evaluation: `--n-eval 0`); an empty train split is an error."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = pathlib.Path(folder) / f"{split}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no {path}; create the dataset with train.data.write_dataset")
+    if not check_jsonl(path, fields):
+        if split == "eval":
+            return []
+        raise DatasetFormatError(f"{path} has no rows")
     import datasets
 
     from preft_jax.progress import enabled

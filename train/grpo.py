@@ -359,9 +359,9 @@ def run(argv=None, prog: str = "python -m train.grpo") -> dict | None:
     cli.start(a)
     mesh = dist.build_mesh(gc.mesh)   # the mesh must fit the devices
     data = cli.prepare_data(a, generation_params(a.n_train, 1, a.seed + 1, a.tasks.split(","), a.max_ops), a.given)
+    rows = load_split(data, "train", fields=("question", "answer"))   # a bad file fails before the model loads
     cfg, runner, tok = cli.load_base(opts, mesh)                    # weights streamed into the mesh
     reward_fn = load_reward(a.reward, tok)
-    rows = load_split(data, "train")
     prompts = [encode_prompt(tok, r["question"]) for r in rows]
     answers = [r["answer"] for r in rows]
     trainer = GRPOTrainer(cfg, runner, gc, reward_fn, tok.eos_token_ids, tok.pad_token_id or 0, mesh=mesh,

@@ -229,11 +229,13 @@ def run(argv=None, prog: str = "python -m train.sft") -> dict | None:
     cli.start(a)
     mesh = dist.build_mesh(tc.mesh)   # the mesh must fit the devices
     data = cli.prepare_data(a, generation_params(a.n_train, a.n_eval, a.seed), a.given)
+    rows = {split: load_split(data, split, fields=("question", "response"))      # a bad file fails before the
+            for split in ("train", "eval")}                                       # model loads
     cfg, runner, tok = cli.load_base(opts, mesh)                    # weights streamed into the mesh
     tc = config_from_args(a, tok)            # a text --invocation becomes the tokenizer's ids
     invocation = tc.adapter.invocation
-    train_data = LazyTokenized(tok, load_split(data, "train"), invocation=invocation)   # tokenizes only the
-    eval_data = LazyTokenized(tok, load_split(data, "eval"), invocation=invocation)     # rows it reads
+    train_data = LazyTokenized(tok, rows["train"], invocation=invocation)   # tokenizes only the
+    eval_data = LazyTokenized(tok, rows["eval"], invocation=invocation)     # rows it reads
     trainer = SFTTrainer(cfg, runner.graphdef, runner.state, tc, mesh)
     out = pathlib.Path(a.out)
     state, hist = trainer.fit(train_data, eval_data if len(eval_data) else None, tok.pad_token_id,
