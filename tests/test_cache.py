@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import numpy as np
 import pytest
@@ -112,7 +112,7 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
-def test_corrupt_entry_is_detected_deleted_and_rebuilt(cache_env, gguf_path, kind):
+def test_corrupt_entry_is_detected_deleted_and_rebuilt(cache_env, gguf_path, kind, caplog):
     reference = load_gguf(gguf_path)
     load_model(gguf_path)
     (entry,) = _entries(cache_env)
@@ -120,8 +120,10 @@ def test_corrupt_entry_is_detected_deleted_and_rebuilt(cache_env, gguf_path, kin
     CORRUPTIONS[kind](entry)
     with pytest.raises(CorruptEntryError):
         read_entry(entry)
-    with pytest.warns(UserWarning, match="corrupt"):
+    with caplog.at_level(logging.WARNING, logger="preft_jax.cache"):
         got = load_model(gguf_path)
+    [line] = [r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()]
+    assert line.startswith(f"preft_jax cache entry {entry} is corrupt (") and line.endswith("): deleted it; rebuilding it")
     _assert_same_model(reference, got)
     (rebuilt,) = _entries(cache_env)
     read_entry(rebuilt)                                        # valid again
@@ -129,7 +131,7 @@ def test_corrupt_entry_is_detected_deleted_and_rebuilt(cache_env, gguf_path, kin
     assert leftovers == []
 
 
-def test_store_round_trip_and_edge_cases(tmp_path):
+def test_store_round_trip_and_edge_cases(tmp_path, caplog):
     store = WeightStore(tmp_path / "s")
     arrays = {"a": np.arange(7, dtype=np.int16), "empty": np.zeros((0, 3), np.float32),
               "b": np.random.default_rng(0).standard_normal((3, 5)).astype(np.float64)}
@@ -144,8 +146,9 @@ def test_store_round_trip_and_edge_cases(tmp_path):
         store.entry_path("../evil")
     # an entry published under another key name is rejected
     os.rename(store.entry_path("k1"), store.entry_path("k2"))
-    with pytest.warns(UserWarning, match="expected 'k2'"):
+    with caplog.at_level(logging.WARNING, logger="preft_jax.cache"):
         assert store.load("k2") is None
+    assert "expected 'k2'" in caplog.text and not store.entry_path("k2").exists()
 
 
 # ---------------------------------------------------------------------------- concurrent writers
@@ -276,3 +279,62 @@ def test_import_flax_quickly_does_not_import_ipython():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_corrupt_entry_that_cannot_be_deleted_says_so_in_one_line(tmp_path, caplog, monkeypatch):
+    """In a read-only cache the entry stays: the line used to say "deleting it and rebuilding" (as a
+    two-line UserWarning) though nothing was deleted."""
+    import preft_jax.cache.weights as weights
+    store = WeightStore(tmp_path / "s")
+    store.store("k", {"a": np.arange(4, dtype=np.float32)})
+    entry = store.entry_path("k")
+    _flip_byte(entry / weights.PARAMS, 3)
+
+    def read_only(path):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(weights, "discard_dir", read_only)
+    with caplog.at_level(logging.WARNING, logger="preft_jax.cache"):
+        assert store.load("k") is None
+    [line] = caplog.messages
+    assert line.startswith(f"preft_jax cache entry {entry} is corrupt (") and line.endswith(
+        ") and cannot be deleted (Permission denied): loading from the source instead, as every run will until the "
+        "entry is removed")
+    assert entry.is_dir()
+
+
+@pytest.mark.parametrize("home, xdg", [("", None), (".", None), ("relative/dir", ""), ("/h", "rel"), ("/h", "/x"),
+                                       (None, None)])
+def test_cache_root_never_lands_in_the_working_folder(monkeypatch, tmp_path, home, xdg):
+    """An empty or relative HOME (or a relative XDG_CACHE_HOME, which the XDG spec says to ignore) used to
+    put the caches under whatever folder the command ran in; the native library's mirror of the root
+    (pallas_kernels cannot import preft_jax) gives the same folder."""
+    import pwd
+
+    from pallas_kernels.cpu import _build
+    from preft_jax.cache import location
+    monkeypatch.delenv("PREFT_JAX_CACHE_DIR", raising=False)
+    for key, value in (("HOME", home), ("XDG_CACHE_HOME", xdg)):
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    root = location.cache_root()
+    assert root.is_absolute()
+    want = ("/x" if xdg == "/x" else
+            f"{'/h' if home == '/h' else pwd.getpwuid(os.getuid()).pw_dir}/.cache") + "/preft_jax"
+    assert str(root) == want
+    assert _build.libraries_dir() == root / "cpu_native"
+
+
+def test_a_truncated_gguf_says_so(tmp_path):
+    """A GGUF cut short used to fail with only numpy's reshape error, no hint at the file."""
+    from preft_jax.loading.gguf_loader import load_gguf
+    whole = tmp_path / "whole.gguf"
+    write_tiny_gguf(whole, seed=3)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size * 2 // 3])
+    with pytest.raises(ValueError) as e:
+        load_gguf(cut)
+    assert str(e.value).startswith(f"Could not parse GGUF file {cut} ({cut.stat().st_size} bytes: truncated or "
+                                   f"damaged?): ")

@@ -241,6 +241,51 @@ def test_failing_compiler_falls_back_to_xla_with_one_line(tmp_path):
         "failed: $CXX=/bin/false exited with status 1")
 
 
+def test_hanging_compiler_is_killed_with_what_it_started(tmp_path):
+    """A compiler wrapper that never returns (a stuck ccache / distcc) used to hang every first start;
+    after $PREFT_CPU_NATIVE_BUILD_TIMEOUT it is killed with its children, with one line, and nothing is
+    left in the cache."""
+    cxx = tmp_path / "stuck-cxx"
+    cxx.write_text("#!/bin/sh\nsleep 987\n")                  # the wrapper's child holds its pipes
+    cxx.chmod(0o755)
+    cache = tmp_path / "cache"
+    t0 = time.monotonic()
+    r = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache, CXX=cxx, PREFT_CPU_NATIVE_BUILD_TIMEOUT="2"),
+             timeout=120)
+    _no_crash(r)
+    assert time.monotonic() - t0 < 60
+    assert json.loads(r.stdout.splitlines()[-1])["state"] == "unavailable"
+    assert r.stderr.splitlines() == [f"cannot build the native CPU library: compiling decode.cc failed: $CXX={cxx} did "
+                                     f"not finish in 2 s and was killed ($PREFT_CPU_NATIVE_BUILD_TIMEOUT); the XLA "
+                                     f"path is used instead"]
+    assert [p.name for p in (cache / "cpu_native").iterdir()] == []
+    left = subprocess.run(["pgrep", "-f", "sleep 987"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "the wrapper's child outlived the build"
+    bad = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache, CXX="/bin/false",
+                                          PREFT_CPU_NATIVE_BUILD_TIMEOUT="soon"))
+    assert bad.stderr.splitlines()[0] == "PREFT_CPU_NATIVE_BUILD_TIMEOUT='soon' is not a positive number of seconds; using 300"
+
+
+@pytest.mark.slow
+def test_a_library_that_matches_its_checksum_but_does_not_load_is_rebuilt(built_library, tmp_path):
+    """Garbage with its checksum recomputed (a copy from another system, a bad disk image): it used to
+    keep the native path off with a message saying the build failed, though nothing was built."""
+    import hashlib
+    cache, so = _copy_cache(built_library, tmp_path)
+    so.write_bytes(b"not an ELF file" * 100)
+    (so.parent / "libpreft_cpu_native.so.sha256").write_text(
+        f"{hashlib.sha256(so.read_bytes()).hexdigest()}  libpreft_cpu_native.so\n")
+    r = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache))
+    _no_crash(r)
+    assert json.loads(r.stdout.splitlines()[-1])["state"] == "loaded"
+    [line] = r.stderr.splitlines()
+    assert line.startswith(f"the cached native CPU library in {so.parent} was rejected (it matches its checksum but "
+                           f"does not load: ") and line.endswith("); rebuilt it"), line
+    again = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache))
+    _no_crash(again)
+    assert again.stderr.strip() == ""
+
+
 def test_no_compiler_on_path(tmp_path):
     empty_bin = tmp_path / "bin"
     empty_bin.mkdir()
@@ -264,6 +309,25 @@ def test_unwritable_cache_builds_a_temporary_library(built_library, tmp_path, wr
     assert r.stderr.splitlines() == [f"native CPU library: cannot write {cache / 'cpu_native'} (Permission denied); "
                                      f"compiled it into a temporary folder for this process only"]
     assert list(cache.iterdir()) == []
+
+
+def test_cache_info_tells_an_unreadable_compilation_cache_from_an_empty_one(tmp_path, writable_again):
+    prefix = _unprivileged()
+    jax_dir = tmp_path / "cache" / "jax"
+    jax_dir.mkdir(parents=True)
+    (jax_dir / "entry").write_bytes(b"x" * 4096)
+    jax_dir.chmod(0)
+    writable_again.append(jax_dir)
+    try:
+        r = _run(["-m", "preft_jax.cache", "info"], _env(PREFT_JAX_CACHE_DIR=tmp_path / "cache"), prefix)
+    finally:
+        jax_dir.chmod(0o755)
+    _no_crash(r)
+    [line] = _lines(r.stdout, "compilation (")
+    assert line == (f"compilation ({jax_dir}): 0.0 MiB (cannot be read: Permission denied: {jax_dir}; this process "
+                    f"cannot use it)")
+    ok = _run(["-m", "preft_jax.cache", "info"], _env(PREFT_JAX_CACHE_DIR=tmp_path / "cache"))
+    assert _lines(ok.stdout, "compilation (") == [f"compilation ({jax_dir}): 0.0 MiB"]
 
 
 def test_cache_clear_removes_the_native_library(built_library, tmp_path):
@@ -471,6 +535,82 @@ def test_sft_cli_refuses_a_stale_dataset_before_loading_anything(tmp_path):
         f"from --n-train 40). Pick another --data (or --out), delete {run / 'data'} to regenerate it, or drop "
         f"those flags to reuse it")
     assert sorted(p.name for p in run.iterdir()) == ["data"]                  # nothing else written
+
+
+def test_a_malformed_dataset_is_one_line_naming_the_file_and_line(tmp_path):
+    """A bad jsonl used to end in `datasets`' chained tracebacks (a bad line: DatasetGenerationError,
+    an empty file: a bare StopIteration) or a KeyError at tokenization; now one error naming it."""
+    from train.data import DatasetFormatError, load_split
+    good = json.dumps({"question": "q", "response": "r", "answer": 1})
+    cases = [
+        ("bad-json", good + "\n" + '{"question": "unterminated\n',
+         "{path}, line 2: not valid JSON (Unterminated string starting at, column 14)"),
+        ("not-object", good + "\n\n[1, 2]\n", "{path}, line 3: a row must be a JSON object, got list"),
+        ("missing", good + "\n" + json.dumps({"question": "q"}) + "\n",
+         "{path}, line 2: no 'response' field (each row needs 'question', 'response')"),
+        ("empty", "\n", "{path} has no rows"),
+    ]
+    for name, text, want in cases:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "train.jsonl").write_text(text)
+        with pytest.raises(DatasetFormatError) as e:
+            load_split(folder, "train", fields=("question", "response"))
+        assert str(e.value) == want.format(path=folder / "train.jsonl"), name
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "train.jsonl").write_bytes(b'{"question": "caf\xe9", "response": "r"}\n')
+    with pytest.raises(DatasetFormatError, match=r"train.jsonl: not UTF-8 text \(invalid continuation byte at byte "):
+        load_split(tmp_path / "latin1", "train")
+    (tmp_path / "no-eval").mkdir()
+    (tmp_path / "no-eval" / "eval.jsonl").write_text("")
+    assert load_split(tmp_path / "no-eval", "eval") == []                      # --n-eval 0: no evaluation
+    # through the CLI: one line, before the model loads (the model path does not exist)
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "missing", run / "data")
+    (run / "data" / "eval.jsonl").write_text(good + "\n")
+    r = _run(["-m", "train.sft", "--out", run, "--model", tmp_path / "no-model-needed"],
+             _env(PREFT_JAX_CACHE_DIR=tmp_path / "cache"), timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (f"error: {run / 'data' / 'train.jsonl'}, line 2: no 'response' field (each "
+                                         f"row needs 'question', 'response')")
+
+
+def test_an_out_folder_that_cannot_be_one_is_one_line(tmp_path, writable_again):
+    """--out naming a file, a path under a file, or a read-only folder used to crash with a
+    NotADirectoryError / PermissionError traceback at the first write."""
+    from train import cli
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError) as e:
+        cli.check_run_folder(afile)
+    assert str(e.value) == f"--out {afile}: not a folder"
+    with pytest.raises(ValueError) as e:
+        cli.check_run_folder(afile / "run")
+    assert str(e.value) == f"--out {afile / 'run'}: cannot create the run folder (Not a directory: {afile / 'run'})"
+    assert cli.check_run_folder(tmp_path / "a" / "b") == tmp_path / "a" / "b" and list((tmp_path / "a" / "b").iterdir()) == []
+    r = _run(["-m", "train.grpo", "--out", afile, "--steps", "1"], _env(PREFT_JAX_CACHE_DIR=tmp_path / "cache"),
+             timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == f"error: --out {afile}: not a folder"
+    prefix = _unprivileged()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _read_only(ro)
+    writable_again.append(ro)
+    code = f"from train.cli import check_run_folder; check_run_folder({str(ro)!r})"
+    r = _run(["-c", code], _env(), prefix)
+    assert r.stderr.splitlines()[-1] == (f"train.cli.RunFolderError: --out {ro}: the run folder cannot be written "
+                                         f"(Permission denied)")
+
+
+def test_main_guard_makes_an_os_error_one_line(capsys):
+    from train import cli
+
+    def fails(argv):
+        raise NotADirectoryError(20, "Not a directory", "/x/y")
+    assert cli.main_guard(fails) == 2
+    assert capsys.readouterr().err == ("error: [Errno 20] Not a directory: '/x/y' (NotADirectoryError; "
+                                       "PREFT_TRACEBACK=1 shows where)\n")
 
 
 def test_datasets_progress_bars_only_on_a_terminal(tmp_path):

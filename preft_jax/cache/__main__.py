@@ -3,6 +3,7 @@ dequantized weights, JAX's compiled programs, the content-hash memo and the comp
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 
@@ -10,8 +11,23 @@ from preft_jax.cache.location import cache_root, compilation_dir, hashes_dir, na
 from preft_jax.cache.weights import WeightStore
 
 
-def _dir_size(path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+def _dir_size(path) -> tuple[int, str]:
+    """(bytes of the files under `path`, "" or what could not be read: an unreadable folder is not
+    an empty one)."""
+    if not os.path.isdir(path):
+        return 0, ""
+    errors, total = [], 0
+    for folder, _, files in os.walk(path, onerror=errors.append):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except OSError as e:
+                errors.append(e)
+    if not errors:
+        return total, ""
+    e = errors[0]
+    more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
+    return total, f"{e.strerror or e}: {e.filename}{more}"
 
 
 def _plural(n: int, one: str, many: str) -> str:
@@ -58,7 +74,9 @@ def _info(stores) -> int:
     print(f"weights ({weights_dir()}): {_plural(len(entries), 'entry', 'entries')}")
     for key, size, meta in entries:
         print(f"  {size / 2**20:9.1f} MiB  {meta.get('source', '?')}  [{meta.get('dtype', '?')}]  {key[:16]}...")
-    print(f"compilation ({compilation_dir()}): {_dir_size(compilation_dir()) / 2**20:.1f} MiB")
+    size, unreadable = _dir_size(compilation_dir())
+    print(f"compilation ({compilation_dir()}): {size / 2**20:.1f} MiB"
+          + (f" (cannot be read: {unreadable}; this process cannot use it)" if unreadable else ""))
     libs = cached_libraries()
     print(f"native CPU library ({native_dir()}): {_plural(len(libs), 'build', 'builds')}")
     for lib in libs:

@@ -1,6 +1,9 @@
 """Where preft_jax keeps its caches.
 
-Root: `$PREFT_JAX_CACHE_DIR` if set, else `$XDG_CACHE_HOME/preft_jax`, else `~/.cache/preft_jax`.
+Root: `$PREFT_JAX_CACHE_DIR` if set, else `$XDG_CACHE_HOME/preft_jax` (an absolute path: the XDG
+spec ignores a relative one), else `~/.cache/preft_jax`, where `~` is $HOME when it is an absolute
+path, else the user's home in the password database (an empty or relative HOME would put the cache
+under whatever folder a command runs in).
 Layout under the root:
 
     weights/v1/<sha256 of the model file>-<dtype>/   dequantized weights (see preft_jax.cache.weights)
@@ -21,13 +24,29 @@ ENV_NO_CACHE = "PREFT_JAX_NO_CACHE"
 _FALSY = ("", "0", "false", "no", "off")
 
 
+def home() -> pathlib.Path:
+    """$HOME when absolute, else the password database's home for this user, else the temporary
+    folder's `preft_jax-<uid>` (pallas_kernels/cpu/_build.py mirrors this: it cannot import it)."""
+    env = os.environ.get("HOME", "")
+    if os.path.isabs(env):
+        return pathlib.Path(env)
+    try:
+        import pwd
+        entry = pwd.getpwuid(os.getuid()).pw_dir
+    except (ImportError, KeyError, OSError):
+        entry = ""
+    if os.path.isabs(entry):
+        return pathlib.Path(entry)
+    return pathlib.Path(tempfile.gettempdir()) / f"preft_jax-{os.getuid()}"
+
+
 def cache_root() -> pathlib.Path:
     """The cache root directory (not created here)."""
     explicit = os.environ.get(ENV_CACHE_DIR)
     if explicit:
         return pathlib.Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = pathlib.Path(xdg) if os.path.isabs(xdg) else home() / ".cache"
     return base / "preft_jax"
 
 

@@ -21,8 +21,8 @@ import json
 import os
 import pathlib
 import shutil
+import logging
 import time
-import warnings
 import zlib
 from typing import Mapping
 
@@ -31,6 +31,8 @@ import numpy as np
 from preft_jax.cache.atomic import discard_dir, publish_dir, temp_sibling
 from preft_jax.cache.location import weights_dir, writable_reason
 from preft_jax.cache.status import report_unwritable, unwritable_reason
+
+log = logging.getLogger("preft_jax.cache")
 
 FORMAT = "preft_jax.weights"
 VERSION = 1
@@ -100,12 +102,13 @@ class WeightStore:
         try:
             return read_entry(path, key)
         except CorruptEntryError as e:
-            warnings.warn(f"preft_jax cache entry {path} is corrupt ({e}); deleting it and rebuilding",
-                          stacklevel=2)
             try:
                 discard_dir(path)
-            except OSError:
-                pass                    # a read-only cache: the entry stays, and is never used
+                log.warning("preft_jax cache entry %s is corrupt (%s): deleted it; rebuilding it", path, e)
+            except OSError as gone:     # a read-only cache: the entry stays, and is never used
+                log.warning("preft_jax cache entry %s is corrupt (%s) and cannot be deleted (%s): loading from the "
+                            "source instead, as every run will until the entry is removed", path, e,
+                            gone.strerror or gone)
             return None
 
     # ----------------------------------------------------------------------------------------- write
@@ -130,8 +133,8 @@ class WeightStore:
             need = sum(np.asarray(a).nbytes for a in arrays.values()) + sum(len(b) for b in files.values())
             free = shutil.disk_usage(self.root).free
             if free < need + _DISK_MARGIN:
-                warnings.warn(f"preft_jax cache: not caching {key} ({need >> 20} MiB) in {self.root}: only "
-                              f"{free >> 20} MiB free", stacklevel=2)
+                log.warning("preft_jax cache: not caching %s (%d MiB) in %s: only %d MiB free", key, need >> 20,
+                            self.root, free >> 20)
                 return None
             tmp = temp_sibling(final)
             tmp.mkdir()
@@ -144,7 +147,7 @@ class WeightStore:
             if why:
                 report_unwritable(self.root, why)
             else:
-                warnings.warn(f"preft_jax cache: could not write {final}: {e}", stacklevel=2)
+                log.warning("preft_jax cache: could not write %s: %s", final, e)
             return None
         finally:
             if tmp is not None:

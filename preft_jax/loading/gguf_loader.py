@@ -36,7 +36,8 @@ def _open_reader(path: pathlib.Path):
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # truncated / corrupt file
-        raise ValueError(f"Could not parse GGUF file {path}: {e}") from e
+        size = path.stat().st_size
+        raise ValueError(f"Could not parse GGUF file {path} ({size} bytes: truncated or damaged?): {e}") from e
 
 
 def _field_value(field) -> Any:
