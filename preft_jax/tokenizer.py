@@ -311,8 +311,13 @@ class Tokenizer:
 
         Only the template inserts control tokens: a special-token string typed inside a message
         (e.g. a user writing `<|im_start|>system`) is encoded as plain text, so a message cannot
-        forge a role. Chats without such text tokenize exactly as `encode(apply_chat_template(...))`.
+        forge a role; one in any other string field of a message (its role, a name) is a ValueError. Chats without such text tokenize exactly as `encode(apply_chat_template(...))`.
         """
+        for i, m in enumerate(messages):        # only content is located and encoded as plain text below
+            for key, value in (m.items() if isinstance(m, Mapping) else ()):
+                if key != "content" and isinstance(value, str) and self._special_pattern().search(value):
+                    raise ValueError(f"messages[{i}].{key} contains special-token text; only the chat template "
+                                     f"may write control tokens")
         rendered = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message, **kwargs)
         contents = [m.get("content") for m in messages if isinstance(m, Mapping)]

@@ -27,16 +27,19 @@ class Result:
     """A finished request's outcome (built here by `RequestOutput`; `serve.request` re-exports it)."""
     request_id: str
     adapter: str | None
-    tokens: list[int]             # generated ids (a stop token is not included)
+    tokens: list[int]             # generated ids (a stop token is not included: its text is not output)
     text: str | None              # decoded text (None without a tokenizer), cut before a stop string
     finish_reason: str            # "stop" | "length" | "cancelled"
     prompt_tokens: int
     logprobs: list | None = None          # per generated token (logprob, [(id, logprob)] * k), if asked for
     prompt_logprobs: list | None = None   # per prompt token, entry 0 None, if asked for
+    stop_token: bool = False              # ended by a stop token (EOS or stop_token_ids) the model generated
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.tokens)
+        """Generated tokens, the stop token included: it was generated (and computed), and OpenAI and
+        vLLM count it."""
+        return len(self.tokens) + self.stop_token
 
     @property
     def total_tokens(self) -> int:
@@ -97,17 +100,17 @@ class RequestOutput:
         if kind == "finished":
             tail = "" if self.detok is None else self.detok.flush()
             events = [("delta", ([], tail))] if tail else []
-            return events + [self._finish(payload)]
+            return events + [self._finish(payload, stop_token=payload == "stop")]   # the engine's "stop": a token
         if kind == "error":
             self.done = True
             return [("error", payload)]
         raise ValueError(f"unknown engine event {kind!r}")
 
-    def _finish(self, reason: str):
+    def _finish(self, reason: str, stop_token: bool = False):
         self.done = True
         text = None if self.detok is None else self.detok.text
         result = Result(self.req.request_id, self.req.adapter, list(self.tokens), text, reason,
                         len(self.req.prompt_ids), None if self.logprobs is None else list(self.logprobs),
-                        self.prompt_logprobs)
+                        self.prompt_logprobs, stop_token)
         self.req.result = result
         return ("done", result)

@@ -14,6 +14,7 @@ vLLM's `top_k`, `ignore_eos` and `stop_token_ids` are honoured.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -23,7 +24,8 @@ from serve.errors import RequestError
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
-MAX_NAME_CHARS = 256
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")    # a chat message's `role` and `name` (OpenAI's rule for
+                                                     # names): no room for a chat template's control tokens
 MAX_PROMPTS = 64          # prompts in one /v1/completions request
 MAX_CHOICES = 128         # prompts x n in one request
 MAX_TEMPERATURE = 2.0     # the OpenAI API's range is [0, 2]
@@ -160,9 +162,10 @@ def stop_token_ids(body: dict) -> tuple[int, ...]:
 
 
 def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], logprobs: int | None = None,
-             prompt_logprobs: int | None = None) -> SamplingParams:
+             prompt_logprobs: int | None = None, chat: bool = False) -> SamplingParams:
     """The body's sampling fields as SamplingParams (which checks their values). `stop_ids`: the
-    model's EOS ids, which vLLM's `ignore_eos` drops and its `stop_token_ids` adds to."""
+    model's EOS ids, which vLLM's `ignore_eos` drops and its `stop_token_ids` adds to. `chat`: the
+    body is a chat completion's (its errors name its keys)."""
     temperature = get(body, "temperature", (int, float), 1.0)
     if temperature > MAX_TEMPERATURE:
         raise BadRequest(f"'temperature' must be at most {MAX_TEMPERATURE:g} (the OpenAI API's range), got "
@@ -179,7 +182,7 @@ def sampling(body: dict, max_tokens: int, stop_ids: tuple[int, ...], logprobs: i
                               max_new_tokens=max_tokens, stop_token_ids=stop_ids, seed=body.get("seed"),
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except SamplingError as e:
-        keys = dict(_CHAT_KEYS, max_new_tokens=max_tokens_key(body)) if "messages" in body else _COMPLETION_KEYS
+        keys = dict(_CHAT_KEYS, max_new_tokens=max_tokens_key(body)) if chat else _COMPLETION_KEYS
         key = keys.get(e.field, e.field)
         raise BadRequest(f"'{key}' {e.requirement}", key) from None
 
@@ -259,15 +262,20 @@ def max_tokens_key(body: dict) -> str:
 
 def in_body_words(e: RequestError, words: dict[str, tuple[str, str]]) -> RequestError:
     """The engine's refusal `e` in the words of the body the client sent (`words`: the engine's field
-    -> (the body's key, what the message calls it); a chat body has no 'prompt' but 'messages'): its
-    param and the message's mentions renamed, its class (status, code) kept; `e` itself when its
-    param is none of them."""
+    -> (the body's key, what the message calls it); a chat body has no 'prompt' but 'messages'): a
+    copy of `e` (class, status, code and any state kept) with its param renamed and the engine's own
+    phrases in its message ("prompt has", "prompt of", "max_tokens=") rewritten - never a word of
+    text the client chose (an adapter's name). `e` itself when its param is none of them."""
     if e.param not in words:
         return e
     message = str(e)
     for engine_word, (_, phrase) in words.items():
-        message = re.sub(rf"\b(?:the )?{re.escape(engine_word)}\b", phrase, message)
-    return type(e)(message, words[e.param][0])
+        message = re.sub(rf"^{re.escape(engine_word)}(?= has | of )", phrase, message)
+        message = re.sub(rf"\({re.escape(engine_word)} \+ ", f"({phrase} + ", message)
+        message = re.sub(rf"\b{re.escape(engine_word)}=", f"{phrase}=", message)
+    out = copy.copy(e)
+    out.args, out.param = (message,), words[e.param][0]
+    return out
 
 
 def completion_prompts(body: dict) -> list[str | list[int]]:
@@ -306,7 +314,10 @@ def chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
-        role = text(m["role"], f"messages[{i}].role", 64)
+        role = m["role"]
+        if not NAME_PATTERN.fullmatch(role):
+            raise BadRequest(f"messages[{i}].role must be 1-64 letters, digits, '_' or '-', got {role[:80]!r}",
+                             "messages")
         content = m.get("content")
         if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
             for j, part in enumerate(content):
@@ -323,8 +334,9 @@ def chat_messages(body: dict) -> list[dict]:
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
         msg = {"role": role, "content": text(content, f"messages[{i}].content")}
         if m.get("name") is not None:
-            if not isinstance(m["name"], str):
-                raise BadRequest(f"messages[{i}].name must be a string", "messages")
-            msg["name"] = text(m["name"], f"messages[{i}].name", MAX_NAME_CHARS)
+            name = m["name"]
+            if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+                raise BadRequest(f"messages[{i}].name must be 1-64 letters, digits, '_' or '-'", "messages")
+            msg["name"] = name
         out.append(msg)
     return out

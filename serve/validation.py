@@ -61,7 +61,7 @@ def check_request(limits: RequestLimits, ids, sampling: SamplingParams, stop=(),
         raise RequestError(f"top_k must be in [0, {vocab}] (the vocabulary size), got {sampling.top_k}", "top_k")
     bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
     if bad_stop:
-        raise RequestError(f"stop token ids must be < {vocab} (negative: none), got {bad_stop}")
+        raise RequestError(f"stop token ids must be < {vocab} (negative: none), got {bad_stop}", "stop_token_ids")
     limit = limits.max_model_len
     if len(ids) >= limit:
         raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context length is {limit} "

@@ -261,9 +261,38 @@ def test_hanging_compiler_is_killed_with_what_it_started(tmp_path):
     assert [p.name for p in (cache / "cpu_native").iterdir()] == []
     left = subprocess.run(["pgrep", "-f", "sleep 987"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "the wrapper's child outlived the build"
-    bad = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache, CXX="/bin/false",
-                                          PREFT_CPU_NATIVE_BUILD_TIMEOUT="soon"))
-    assert bad.stderr.splitlines()[0] == "PREFT_CPU_NATIVE_BUILD_TIMEOUT='soon' is not a positive number of seconds; using 300"
+    for raw in ("soon", "inf", "0", "1e300"):                 # inf used to overflow the wait: a traceback
+        bad = _run(["-c", NATIVE_PROBE], _env(PREFT_JAX_CACHE_DIR=cache, CXX="/bin/false",
+                                              PREFT_CPU_NATIVE_BUILD_TIMEOUT=raw))
+        _no_crash(bad)
+        assert bad.stderr.splitlines()[0] == (f"PREFT_CPU_NATIVE_BUILD_TIMEOUT={raw!r} is not a number of seconds in "
+                                              f"(0, 86400]; using 300")
+
+
+def test_a_build_that_does_not_load_is_one_error_not_a_second_build(built_library, tmp_path, monkeypatch):
+    """A library that builds but cannot be loaded here (a cache on a noexec mount): it used to be
+    reported as an unwritable cache and compiled again into a temporary folder, on every start."""
+    from pallas_kernels.cpu import _build
+    cache, so = _copy_cache(built_library, tmp_path)
+    good = {p.name: p.read_bytes() for p in so.parent.iterdir()}
+    compiles = []
+
+    def copy_the_good_build(folder):                   # stands in for the compiler
+        compiles.append(folder)
+        for name, data in good.items():
+            (folder / name).write_bytes(data)
+
+    def no_exec(path):
+        raise OSError(f"{path}: failed to map segment from shared object")
+    monkeypatch.setenv("PREFT_JAX_CACHE_DIR", str(cache))
+    monkeypatch.setattr(_build, "build_key", lambda: so.parent.name)
+    monkeypatch.setattr(_build, "_compile_into", copy_the_good_build)
+    monkeypatch.setattr(_build, "_dlopen", no_exec)
+    with pytest.raises(_build.BuildError) as e:
+        _build._open_library()
+    assert str(e.value) == (f"the freshly built library in {so.parent} does not load ({so}: failed to map segment "
+                            f"from shared object)")
+    assert len(compiles) == 1 and not so.parent.exists()        # the cached copy rejected, one rebuild, no more
 
 
 @pytest.mark.slow
@@ -545,10 +574,16 @@ def test_a_malformed_dataset_is_one_line_naming_the_file_and_line(tmp_path):
     cases = [
         ("bad-json", good + "\n" + '{"question": "unterminated\n',
          "{path}, line 2: not valid JSON (Unterminated string starting at, column 14)"),
-        ("not-object", good + "\n\n[1, 2]\n", "{path}, line 3: a row must be a JSON object, got list"),
+        ("not-object", good + "\n\n7\n", "{path}, line 3: a row must be a JSON object, got int"),
         ("missing", good + "\n" + json.dumps({"question": "q"}) + "\n",
          "{path}, line 2: no 'response' field (each row needs 'question', 'response')"),
         ("empty", "\n", "{path} has no rows"),
+        ("array", '[{"question": "q",\n "response": "r"}]\n', "{path}, line 1: not valid JSON (Expecting property "
+         "name enclosed in double quotes, column 19); a .jsonl file holds one JSON object per line, not a JSON array"),
+        ("array-line", '[{"question": "q", "response": "r"}]\n', "{path}, line 1: a row must be a JSON object, got "
+         "list; a .jsonl file holds one JSON object per line"),
+        ("null", good + "\n" + json.dumps({"question": None, "response": "r"}) + "\n",
+         "{path}, line 2: field 'question' must be a string, got null"),
     ]
     for name, text, want in cases:
         folder = tmp_path / name
@@ -561,6 +596,9 @@ def test_a_malformed_dataset_is_one_line_naming_the_file_and_line(tmp_path):
     (tmp_path / "latin1" / "train.jsonl").write_bytes(b'{"question": "caf\xe9", "response": "r"}\n')
     with pytest.raises(DatasetFormatError, match=r"train.jsonl: not UTF-8 text \(invalid continuation byte at byte "):
         load_split(tmp_path / "latin1", "train")
+    (tmp_path / "bom").mkdir()                                                  # a BOM loads, as datasets allows
+    (tmp_path / "bom" / "train.jsonl").write_bytes(b"\xef\xbb\xbf" + good.encode() + b"\n")
+    assert len(load_split(tmp_path / "bom", "train", fields=("question", "response"), cache_dir=str(tmp_path / "hf"))) == 1
     (tmp_path / "no-eval").mkdir()
     (tmp_path / "no-eval" / "eval.jsonl").write_text("")
     assert load_split(tmp_path / "no-eval", "eval") == []                      # --n-eval 0: no evaluation
@@ -586,7 +624,8 @@ def test_an_out_folder_that_cannot_be_one_is_one_line(tmp_path, writable_again):
     assert str(e.value) == f"--out {afile}: not a folder"
     with pytest.raises(ValueError) as e:
         cli.check_run_folder(afile / "run")
-    assert str(e.value) == f"--out {afile / 'run'}: cannot create the run folder (Not a directory: {afile / 'run'})"
+    assert str(e.value) == (f"--out {afile / 'run'}: the run folder cannot be created or written (Not a directory: "
+                            f"{afile / 'run'})")
     assert cli.check_run_folder(tmp_path / "a" / "b") == tmp_path / "a" / "b" and list((tmp_path / "a" / "b").iterdir()) == []
     r = _run(["-m", "train.grpo", "--out", afile, "--steps", "1"], _env(PREFT_JAX_CACHE_DIR=tmp_path / "cache"),
              timeout=300)
@@ -599,8 +638,8 @@ def test_an_out_folder_that_cannot_be_one_is_one_line(tmp_path, writable_again):
     writable_again.append(ro)
     code = f"from train.cli import check_run_folder; check_run_folder({str(ro)!r})"
     r = _run(["-c", code], _env(), prefix)
-    assert r.stderr.splitlines()[-1] == (f"train.cli.RunFolderError: --out {ro}: the run folder cannot be written "
-                                         f"(Permission denied)")
+    assert r.stderr.splitlines()[-1] == (f"train.cli.RunFolderError: --out {ro}: the run folder cannot be created or "
+                                         f"written (Permission denied: {ro})")
 
 
 def test_main_guard_makes_an_os_error_one_line(capsys):

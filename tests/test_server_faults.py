@@ -208,7 +208,8 @@ def test_ignore_eos_generates_past_the_models_eos(server, alone):
     assert ref[0] == 2 and len(ref) == 6
     body = {"model": "tiny", "prompt": [140], "max_tokens": 6, "temperature": 0, "logprobs": 0}
     stopped = _post(server, "/v1/completions", body).json()
-    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 0
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1  # EOS
+    assert stopped["choices"][0]["text"] == "" and stopped["choices"][0]["logprobs"]["tokens"] == []
     r = _post(server, "/v1/completions", dict(body, ignore_eos=True)).json()
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 6, r
     assert r["choices"][0]["text"] == ByteTokenizer().decode(ref) and len(r["choices"][0]["logprobs"]["tokens"]) == 6

@@ -1,4 +1,6 @@
 """Orbax checkpoints resume exactly; exported adapters load back and give the trained logits."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +114,18 @@ def test_a_damaged_checkpoint_is_one_error_naming_its_folder(runner, tmp_path):
             assert "\n" not in str(e.value)
             _, meta = c.restore(st, step=1)
             assert meta["step"] == 1
+    # another optimizer (--grad-clip 0 drops a transform): the state's tree differs - not "damaged"
+    other = SFTTrainer(CFG, runner.graphdef, runner.state, SFTConfig(
+        adapter=AdapterSpec(rank=2, targets=("q",)), steps=4, log_every=0,
+        optimizer=dataclasses.replace(tc.optimizer, grad_clip=0.0))).init_state()
+    with Checkpointer(tmp_path / "good") as c:
+        with pytest.raises(CheckpointReadError) as e:
+            c.restore(other)
+    assert str(e.value).startswith(f"cannot restore checkpoint {(tmp_path / 'good').absolute() / '2'} into this run's "
+                                   f"state (ValueError: ")
+    assert str(e.value).endswith("it was written with other flags (the optimizer's --grad-clip / --weight-decay, the "
+                                 "adapter's targets or layers): resume with the flags it was trained with, or use "
+                                 "another output folder") and "\n" not in str(e.value)
 
 
 def _trained(runner, adapter, mode, steps=3):

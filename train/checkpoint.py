@@ -43,10 +43,18 @@ class CheckpointReadError(ValueError):
 
 
 def _read_error(directory: pathlib.Path, step: int, e: BaseException) -> CheckpointReadError:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    """One line for an Orbax restore that failed: a tree that does not match this run's state (a
+    ValueError naming what differs: the checkpoint was written with other flags) or, for anything
+    else, a damaged step folder."""
+    text = " / ".join(ln.strip() for ln in str(e).strip().splitlines() if ln.strip())[:400] or type(e).__name__
     folder = directory / str(step)
+    if isinstance(e, ValueError) and any(w in str(e) for w in ("match", "structure", "tree")):
+        return CheckpointReadError(
+            f"cannot restore checkpoint {folder} into this run's state ({type(e).__name__}: {text}); it was written "
+            f"with other flags (the optimizer's --grad-clip / --weight-decay, the adapter's targets or layers): resume "
+            f"with the flags it was trained with, or use another output folder")
     return CheckpointReadError(
-        f"cannot read checkpoint {folder} ({type(e).__name__}: {first}); it may be damaged (an interrupted save, "
+        f"cannot read checkpoint {folder} ({type(e).__name__}: {text}); it may be damaged (an interrupted save, "
         f"a truncated or edited file): move it away to resume from the step before it, or use another output folder")
 
 

@@ -132,21 +132,13 @@ class RunFolderError(ValueError):
 def check_run_folder(out: str | os.PathLike) -> pathlib.Path:
     """--out made (with its parents) and writable, before anything is loaded: a RunFolderError naming the
     flag and the fault (a file, a read-only folder) instead of a traceback from the first write."""
+    from preft_jax.cache.location import writable_reason
     folder = pathlib.Path(out)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise RunFolderError(f"--out {out}: not a folder") from None
-    except OSError as e:
-        raise RunFolderError(f"--out {out}: cannot create the run folder ({e.strerror or e}: {e.filename or out})") from None
-    if not folder.is_dir():
+    if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"--out {out}: not a folder")
-    probe = folder / f".write-probe-{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise RunFolderError(f"--out {out}: the run folder cannot be written ({e.strerror or e})") from None
+    why = writable_reason(folder)                 # creates it (and its parents), probes with a unique file
+    if why:
+        raise RunFolderError(f"--out {out}: the run folder cannot be created or written ({why})")
     return folder
 
 

@@ -38,6 +38,9 @@ class DatasetMismatchError(ValueError):
     """An existing dataset folder holds other data than the run asks for (the message names it)."""
 
 
+FIELD_TYPES = {"answer": (str, int, float)}        # a row's field -> its JSON types (default: a string)
+
+
 class DatasetFormatError(ValueError):
     """A dataset file that is not jsonl rows of the fields a trainer reads (the message names the file,
     the line and what is wrong)."""
@@ -128,21 +131,31 @@ def check_jsonl(path: pathlib.Path, fields: Sequence[str] = ()) -> int:
     with a traceback of its own)."""
     rows = 0
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:        # a BOM, as `datasets` allows
             for i, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as e:
-                    raise DatasetFormatError(f"{path}, line {i}: not valid JSON ({e.msg}, column {e.colno})") from None
+                    hint = ("; a .jsonl file holds one JSON object per line, not a JSON array"
+                            if rows == 0 and line.lstrip().startswith("[") else "")
+                    raise DatasetFormatError(f"{path}, line {i}: not valid JSON ({e.msg}, column {e.colno}){hint}") \
+                        from None
                 if not isinstance(row, dict):
+                    hint = "; a .jsonl file holds one JSON object per line" if isinstance(row, list) else ""
                     raise DatasetFormatError(f"{path}, line {i}: a row must be a JSON object, got "
-                                             f"{type(row).__name__}")
+                                             f"{type(row).__name__}{hint}")
                 missing = [k for k in fields if k not in row]
                 if missing:
                     raise DatasetFormatError(f"{path}, line {i}: no {', '.join(map(repr, missing))} field (each row "
                                              f"needs {', '.join(map(repr, fields))})")
+                for k in fields:
+                    types = FIELD_TYPES.get(k, (str,))
+                    if not isinstance(row[k], types) or isinstance(row[k], bool):
+                        what = "a string" if types == (str,) else "a string or a number"
+                        raise DatasetFormatError(f"{path}, line {i}: field {k!r} must be {what}, got "
+                                                 f"{json.dumps(row[k])[:40]}")
                 rows += 1
     except UnicodeDecodeError as e:
         raise DatasetFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None

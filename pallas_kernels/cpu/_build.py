@@ -3,7 +3,7 @@ its XLA FFI handlers with jax.
 
 The library is built with a C++ compiler (-O3 -march=native -fopenmp -std=c++17) against jaxlib's
 XLA FFI headers into a cache folder keyed by the source, the jaxlib version, this CPU's model and
-instruction-set flags, and $CXX (a compiler command may carry flags: `g++ -mno-avx512f`)
+instruction-set flags, the C library's version, and $CXX (a compiler command may carry flags: `g++ -mno-avx512f`)
 (<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's: $PREFT_JAX_CACHE_DIR, else
 $XDG_CACHE_HOME/preft_jax, else ~/.cache/preft_jax), so a cache shared between machines never
 hands one CPU another's build, nor one compiler command another's. Nothing is built at import: the
@@ -56,34 +56,43 @@ class BuildError(Exception):
     """The library could not be built (the message is one line)."""
 
 
+MAX_BUILD_TIMEOUT_S = 86400.0
+
+
 def build_timeout() -> float:
-    """Seconds one compile may take ($PREFT_CPU_NATIVE_BUILD_TIMEOUT, default 300)."""
+    """Seconds one compile may take ($PREFT_CPU_NATIVE_BUILD_TIMEOUT, default 300, at most a day)."""
     raw = os.environ.get("PREFT_CPU_NATIVE_BUILD_TIMEOUT", "").strip()
     try:
         value = float(raw) if raw else 300.0
     except ValueError:
         value = -1.0
-    if not value > 0:
-        log.warning("PREFT_CPU_NATIVE_BUILD_TIMEOUT=%r is not a positive number of seconds; using 300", raw)
+    if not 0 < value <= MAX_BUILD_TIMEOUT_S:          # NaN and inf fail too
+        log.warning("PREFT_CPU_NATIVE_BUILD_TIMEOUT=%r is not a number of seconds in (0, %g]; using 300", raw,
+                    MAX_BUILD_TIMEOUT_S)
         value = 300.0
     return value
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
-    """(exit status, stderr) of `cmd`; None for the status when it ran past `timeout` seconds: then it
-    and every process it started (its own session) are killed - a wrapper's children would otherwise
-    hold its pipes open and the wait would never end."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-        return proc.returncode, err
-    except subprocess.TimeoutExpired:
+def _run(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+    """(exit status, the end of its stderr) of `cmd`; None for the status when it ran past `timeout`
+    seconds. It runs in a session of its own, and whatever ends the wait (the timeout, Ctrl-C) kills
+    that whole session: a compiler wrapper's children go with it. Its output goes to a file, not a
+    pipe, so a child that outlives it (a compile server) cannot hold the wait open."""
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            proc.kill()
-        proc.communicate()
-        return None, ""
+            status = proc.wait(timeout=timeout)
+        except BaseException as e:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                proc.kill()
+            proc.wait()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            return None, ""
+        err.seek(0)
+        return status, err.read()[-20000:]
 
 
 def _cpu_signature() -> bytes:
@@ -105,7 +114,12 @@ def _home() -> str:
         entry = pwd.getpwuid(os.getuid()).pw_dir
     except (ImportError, KeyError, OSError):
         entry = ""
-    return entry if os.path.isabs(entry) else os.path.join(tempfile.gettempdir(), f"preft_jax-{os.getuid()}")
+    return entry if os.path.isabs(entry) else _private_home()
+
+
+@functools.lru_cache(maxsize=1)
+def _private_home() -> str:
+    return tempfile.mkdtemp(prefix="preft_jax-home-")          # mode 0700, a new name: no one else's
 
 
 def libraries_dir() -> pathlib.Path:
@@ -118,7 +132,9 @@ def libraries_dir() -> pathlib.Path:
 
 @functools.lru_cache(maxsize=1)
 def build_key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode() + _cpu_signature()
+    """The source, jaxlib, this CPU, the C library (a cache shared by containers of other systems) and $CXX."""
+    libc = "-".join(platform.libc_ver()).encode()
+    return hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode() + _cpu_signature() + libc
                           + os.environ.get("CXX", "").strip().encode()).hexdigest()[:16]
 
 
@@ -237,12 +253,20 @@ def _open_library() -> tuple[ctypes.CDLL, pathlib.Path, str, str]:
             pass                                  # read-only cache: build into a temporary folder below
     try:
         so = _build_cached(final)
+    except OSError as e:                          # the cache folder cannot be written
+        unwritable = f"cannot write {final.parent} ({e.strerror or e})"
+    else:
         why = verify(final)
         if why:
             raise BuildError(f"the freshly built library in {final} fails its check: {why}")
-        return _dlopen(so), so, how, note
-    except OSError as e:                          # the cache folder cannot be written
-        unwritable = f"cannot write {final.parent} ({e.strerror or e})"
+        try:
+            return _dlopen(so), so, how, note
+        except OSError as e:                      # e.g. a cache on a noexec mount: no use building it again
+            try:
+                _discard(final)
+            except OSError:
+                pass
+            raise BuildError(f"the freshly built library in {final} does not load ({str(e)[:200]})") from None
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="preft_cpu_native_"))
     try:
         _compile_into(tmp)

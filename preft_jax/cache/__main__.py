@@ -21,6 +21,8 @@ def _dir_size(path) -> tuple[int, str]:
         for name in files:
             try:
                 total += os.stat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:       # evicted since it was listed
+                pass
             except OSError as e:
                 errors.append(e)
     if not errors:

@@ -3,7 +3,8 @@
 Root: `$PREFT_JAX_CACHE_DIR` if set, else `$XDG_CACHE_HOME/preft_jax` (an absolute path: the XDG
 spec ignores a relative one), else `~/.cache/preft_jax`, where `~` is $HOME when it is an absolute
 path, else the user's home in the password database (an empty or relative HOME would put the cache
-under whatever folder a command runs in).
+under whatever folder a command runs in), else a private temporary folder of this process (a shared
+predictable one could be planted with a library by another user).
 Layout under the root:
 
     weights/v1/<sha256 of the model file>-<dtype>/   dequantized weights (see preft_jax.cache.weights)
@@ -15,6 +16,7 @@ Layout under the root:
 """
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import tempfile
@@ -25,8 +27,8 @@ _FALSY = ("", "0", "false", "no", "off")
 
 
 def home() -> pathlib.Path:
-    """$HOME when absolute, else the password database's home for this user, else the temporary
-    folder's `preft_jax-<uid>` (pallas_kernels/cpu/_build.py mirrors this: it cannot import it)."""
+    """$HOME when absolute, else the password database's home for this user, else a private folder
+    made for this process (pallas_kernels/cpu/_build.py mirrors this: it cannot import it)."""
     env = os.environ.get("HOME", "")
     if os.path.isabs(env):
         return pathlib.Path(env)
@@ -37,7 +39,12 @@ def home() -> pathlib.Path:
         entry = ""
     if os.path.isabs(entry):
         return pathlib.Path(entry)
-    return pathlib.Path(tempfile.gettempdir()) / f"preft_jax-{os.getuid()}"
+    return pathlib.Path(_private_home())
+
+
+@functools.lru_cache(maxsize=1)
+def _private_home() -> str:
+    return tempfile.mkdtemp(prefix="preft_jax-home-")          # mode 0700, a new name: no one else's
 
 
 def cache_root() -> pathlib.Path:

@@ -36,7 +36,7 @@ async def chat_completions(request: Request):
     prompt_ids = await ctx.tokenize(_encoder(ctx.tokenizer), msgs)
     max_tokens = protocol.max_tokens(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS,
                                      len(prompt_ids), ctx.max_len)
-    sp = protocol.sampling(body, max_tokens, ctx.default_stop, logprobs=k_lp)
+    sp = protocol.sampling(body, max_tokens, ctx.default_stop, logprobs=k_lp, chat=True)
     stop = protocol.stop_strings(body)
     try:
         reqs, sink = await ctx.submit(request, [prompt_ids], adapter, [sp], stop, n)
