@@ -898,7 +898,8 @@ class Engine:
         self.metrics.requests_finished[reason] += len(reqs)
         for req in reqs:
             if req.result is None:  # the engine's view; a consumer (serve/output.py) adds text and stop strings
-                req.result = Result(req.request_id, req.adapter, list(req.tokens), None, reason, len(req.prompt_ids))
+                req.result = Result(req.request_id, req.adapter, list(req.tokens), None, reason, len(req.prompt_ids),
+                                    stop_token=reason == "stop")     # the engine's "stop" is a stop token
             req.emit(("finished", reason))
 
     # ---- compile everything up front -------------------------------------------------------
