@@ -333,7 +333,7 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
         msg = {"role": role, "content": text(content, f"messages[{i}].content")}
-        if m.get("name") is not None:
+        if m.get("name") not in (None, ""):            # an empty name: as absent (some clients send one)
             name = m["name"]
             if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
                 raise BadRequest(f"messages[{i}].name must be 1-64 letters, digits, '_' or '-'", "messages")

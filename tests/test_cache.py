@@ -338,3 +338,31 @@ def test_a_truncated_gguf_says_so(tmp_path):
         load_gguf(cut)
     assert str(e.value).startswith(f"Could not parse GGUF file {cut} ({cut.stat().st_size} bytes: truncated or "
                                    f"damaged?): ")
+
+
+def test_without_any_home_the_cache_is_a_private_temporary_folder_or_none(monkeypatch, tmp_path):
+    """No usable HOME and no password-database entry: `<tmp>/preft_jax-<uid>`, made mode 0700; when that
+    folder is someone else's or writable by others (a planted one), a path that cannot be created (the
+    caches then run without persistence) - never a folder another user controls."""
+    import pwd
+    import stat
+    import tempfile
+
+    from pallas_kernels.cpu import _build
+    from preft_jax.cache import location
+    monkeypatch.delenv("PREFT_JAX_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", "")
+
+    def no_entry(uid):
+        raise KeyError(uid)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    private = tmp_path / f"preft_jax-{os.getuid()}"
+    assert location.cache_root() == private / ".cache" / "preft_jax"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert _build.libraries_dir() == location.cache_root() / "cpu_native"
+    private.chmod(0o777)                                    # as a folder another user made for us would be
+    root = location.cache_root()
+    assert str(root).startswith(os.devnull + "/") and _build.libraries_dir() == root / "cpu_native"
+    assert location.writable_reason(root)                   # cannot be created: no persistent caches

@@ -269,9 +269,11 @@ def test_hanging_compiler_is_killed_with_what_it_started(tmp_path):
                                               f"(0, 86400]; using 300")
 
 
-def test_a_build_that_does_not_load_is_one_error_not_a_second_build(built_library, tmp_path, monkeypatch):
-    """A library that builds but cannot be loaded here (a cache on a noexec mount): it used to be
-    reported as an unwritable cache and compiled again into a temporary folder, on every start."""
+def test_a_cache_that_cannot_hold_a_loadable_library_builds_a_temporary_one(built_library, tmp_path, monkeypatch):
+    """A library that builds in the cache but cannot be loaded from there (a cache on a noexec mount)
+    used to be reported as an unwritable cache; it is left out of the cache and one is compiled into
+    a temporary folder, which loads (or one error names both failures). A noexec mount seen up front
+    skips the cache build."""
     from pallas_kernels.cpu import _build
     cache, so = _copy_cache(built_library, tmp_path)
     good = {p.name: p.read_bytes() for p in so.parent.iterdir()}
@@ -282,17 +284,37 @@ def test_a_build_that_does_not_load_is_one_error_not_a_second_build(built_librar
         for name, data in good.items():
             (folder / name).write_bytes(data)
 
-    def no_exec(path):
-        raise OSError(f"{path}: failed to map segment from shared object")
+    real_dlopen = _build._dlopen
+
+    def no_exec_under_cache(path):
+        if str(path).startswith(str(cache)):
+            raise OSError(f"{path}: failed to map segment from shared object")
+        return real_dlopen(path)
     monkeypatch.setenv("PREFT_JAX_CACHE_DIR", str(cache))
     monkeypatch.setattr(_build, "build_key", lambda: so.parent.name)
     monkeypatch.setattr(_build, "_compile_into", copy_the_good_build)
+    monkeypatch.setattr(_build, "_dlopen", no_exec_under_cache)
+    _, path, how, note = _build._open_library()
+    assert how == "temporary" and not str(path).startswith(str(cache))
+    assert note == (f"native CPU library: the library built in {so.parent} does not load ({so}: failed to map segment "
+                    f"from shared object); compiled it into a temporary folder for this process only")
+    assert len(compiles) == 2 and not so.parent.exists()     # the cached copy rejected, one cache build, one temporary
+
+    def no_exec(path):
+        raise OSError(f"{path}: failed to map segment from shared object")
     monkeypatch.setattr(_build, "_dlopen", no_exec)
     with pytest.raises(_build.BuildError) as e:
         _build._open_library()
-    assert str(e.value) == (f"the freshly built library in {so.parent} does not load ({so}: failed to map segment "
-                            f"from shared object)")
-    assert len(compiles) == 1 and not so.parent.exists()        # the cached copy rejected, one rebuild, no more
+    assert str(e.value).startswith(f"the library built in {so.parent} does not load ({so}: failed to map segment from "
+                                   f"shared object); the one compiled into a temporary folder does not load either (")
+
+    compiles.clear()
+    monkeypatch.setattr(_build, "_dlopen", real_dlopen)
+    monkeypatch.setattr(_build, "_noexec", lambda folder: f"{cache} is on a filesystem mounted noexec")
+    _, _, how, note = _build._open_library()
+    assert how == "temporary" and len(compiles) == 1 and not so.parent.exists()
+    assert note == (f"native CPU library: {cache} is on a filesystem mounted noexec; compiled it into a temporary "
+                    f"folder for this process only")
 
 
 @pytest.mark.slow
@@ -596,6 +618,15 @@ def test_a_malformed_dataset_is_one_line_naming_the_file_and_line(tmp_path):
     (tmp_path / "latin1" / "train.jsonl").write_bytes(b'{"question": "caf\xe9", "response": "r"}\n')
     with pytest.raises(DatasetFormatError, match=r"train.jsonl: not UTF-8 text \(invalid continuation byte at byte "):
         load_split(tmp_path / "latin1", "train")
+    for answer, ok in (([1, 2], True), ({"tests": 3}, True), (True, True), (7, True), (None, False)):
+        (tmp_path / "grpo").mkdir(exist_ok=True)                               # a custom reward takes any answer
+        (tmp_path / "grpo" / "train.jsonl").write_text(json.dumps({"question": "q", "answer": answer}) + "\n")
+        if ok:
+            assert len(load_split(tmp_path / "grpo", "train", fields=("question", "answer"),
+                                  cache_dir=str(tmp_path / "hf"))) == 1
+        else:
+            with pytest.raises(DatasetFormatError, match=r"line 1: field 'answer' must be set \(not null\), got null$"):
+                load_split(tmp_path / "grpo", "train", fields=("question", "answer"))
     (tmp_path / "bom").mkdir()                                                  # a BOM loads, as datasets allows
     (tmp_path / "bom" / "train.jsonl").write_bytes(b"\xef\xbb\xbf" + good.encode() + b"\n")
     assert len(load_split(tmp_path / "bom", "train", fields=("question", "response"), cache_dir=str(tmp_path / "hf"))) == 1
@@ -640,6 +671,15 @@ def test_an_out_folder_that_cannot_be_one_is_one_line(tmp_path, writable_again):
     r = _run(["-c", code], _env(), prefix)
     assert r.stderr.splitlines()[-1] == (f"train.cli.RunFolderError: --out {ro}: the run folder cannot be created or "
                                          f"written (Permission denied: {ro})")
+    sealed = tmp_path / "sealed"                            # a parent that cannot be searched: still the flag named
+    sealed.mkdir()
+    sealed.chmod(0o600)
+    writable_again.append(sealed)
+    code = f"from train.cli import check_run_folder; check_run_folder({str(sealed / 'run')!r})"
+    r = _run(["-c", code], _env(), prefix)
+    sealed.chmod(0o700)
+    assert r.stderr.splitlines()[-1].startswith(f"train.cli.RunFolderError: --out {sealed / 'run'}: the run folder "
+                                                f"cannot be created or written (Permission denied"), r.stderr
 
 
 def test_main_guard_makes_an_os_error_one_line(capsys):

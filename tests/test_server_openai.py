@@ -364,11 +364,12 @@ def test_chat_errors_name_the_fields_of_a_chat_body(server):
 def test_chat_messages_take_parts_null_assistant_content_and_names(server):
     from serve.protocol import chat_messages
     msgs = [{"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
-            {"role": "user", "content": "hi", "name": "ann"},
+            {"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "", "name": ""},
             {"role": "assistant", "content": None},
             {"role": "user", "content": "again"}]
     assert chat_messages({"messages": msgs}) == [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "user", "content": ""},                                          # an empty name: as absent
         {"role": "assistant", "content": ""}, {"role": "user", "content": "again"}]
     assert _body(server, "/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 2})["choices"]
     for content, name, want in [

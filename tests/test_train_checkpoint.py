@@ -94,19 +94,21 @@ def test_a_damaged_checkpoint_is_one_error_naming_its_folder(runner, tmp_path):
     with Checkpointer(tmp_path / "good", max_to_keep=None) as c:
         for step in (1, 2):
             c.save(step, st, step, tc.to_json(), force=True)
-    for damage in ("truncate", "meta"):
+    for damage in ("truncate", "garble", "meta"):
         ck = tmp_path / damage
         shutil.copytree(tmp_path / "good", ck)
-        if damage == "truncate":
+        if damage in ("truncate", "garble"):
             files = [p for p in (ck / "2" / "state").rglob("*") if p.is_file() and "d" in p.parent.name]
             big = max(files, key=lambda p: p.stat().st_size)
-            big.write_bytes(big.read_bytes()[: big.stat().st_size // 3])
+            data = big.read_bytes()
+            big.write_bytes(data[: len(data) // 3] if damage == "truncate" else
+                            np.random.default_rng(0).integers(0, 256, len(data), dtype=np.uint8).tobytes())
         else:
             [meta] = [p for p in (ck / "2" / "meta").rglob("*") if p.is_file() and p.name == "metadata"]
             meta.write_text('{"step": 2, "data\x01')
         with Checkpointer(ck) as c:
             with pytest.raises(CheckpointReadError) as e:
-                c.restore(st) if damage == "truncate" else c.read_meta()
+                c.restore(st) if damage != "meta" else c.read_meta()
             assert str(e.value).startswith(f"cannot read checkpoint {ck.absolute() / '2'} ("), damage
             assert str(e.value).endswith("); it may be damaged (an interrupted save, a truncated or edited file): "
                                          "move it away to resume from the step before it, or use another output "

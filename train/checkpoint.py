@@ -42,13 +42,18 @@ class CheckpointReadError(ValueError):
     names the folder and what to do."""
 
 
+# Orbax's own sentences for a restore target whose tree differs from the saved one (a damaged file's
+# error is TensorStore's, e.g. "DATA_LOSS: ... Error decoding b-tree node")
+_MISMATCH = ("tree structures do not match", "Types do not match:", "Sequence lengths do not match:")
+
+
 def _read_error(directory: pathlib.Path, step: int, e: BaseException) -> CheckpointReadError:
     """One line for an Orbax restore that failed: a tree that does not match this run's state (a
     ValueError naming what differs: the checkpoint was written with other flags) or, for anything
     else, a damaged step folder."""
     text = " / ".join(ln.strip() for ln in str(e).strip().splitlines() if ln.strip())[:400] or type(e).__name__
     folder = directory / str(step)
-    if isinstance(e, ValueError) and any(w in str(e) for w in ("match", "structure", "tree")):
+    if isinstance(e, ValueError) and any(p in str(e) for p in _MISMATCH):
         return CheckpointReadError(
             f"cannot restore checkpoint {folder} into this run's state ({type(e).__name__}: {text}); it was written "
             f"with other flags (the optimizer's --grad-clip / --weight-decay, the adapter's targets or layers): resume "

@@ -134,9 +134,9 @@ def check_run_folder(out: str | os.PathLike) -> pathlib.Path:
     flag and the fault (a file, a read-only folder) instead of a traceback from the first write."""
     from preft_jax.cache.location import writable_reason
     folder = pathlib.Path(out)
-    if folder.exists() and not folder.is_dir():
-        raise RunFolderError(f"--out {out}: not a folder")
     why = writable_reason(folder)                 # creates it (and its parents), probes with a unique file
+    if why and os.path.lexists(folder) and not os.path.isdir(folder):          # neither raises
+        raise RunFolderError(f"--out {out}: not a folder")
     if why:
         raise RunFolderError(f"--out {out}: the run folder cannot be created or written ({why})")
     return folder

@@ -38,7 +38,8 @@ class DatasetMismatchError(ValueError):
     """An existing dataset folder holds other data than the run asks for (the message names it)."""
 
 
-FIELD_TYPES = {"answer": (str, int, float)}        # a row's field -> its JSON types (default: a string)
+FIELD_TYPES = {"answer": None}     # a row's field -> its JSON types (default: a string; None: any but null -
+                                   # a custom reward function takes lists, objects, booleans)
 
 
 class DatasetFormatError(ValueError):
@@ -152,8 +153,8 @@ def check_jsonl(path: pathlib.Path, fields: Sequence[str] = ()) -> int:
                                              f"needs {', '.join(map(repr, fields))})")
                 for k in fields:
                     types = FIELD_TYPES.get(k, (str,))
-                    if not isinstance(row[k], types) or isinstance(row[k], bool):
-                        what = "a string" if types == (str,) else "a string or a number"
+                    if row[k] is None if types is None else not isinstance(row[k], types):
+                        what = "set (not null)" if types is None else "a string"
                         raise DatasetFormatError(f"{path}, line {i}: field {k!r} must be {what}, got "
                                                  f"{json.dumps(row[k])[:40]}")
                 rows += 1

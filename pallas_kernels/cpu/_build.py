@@ -34,6 +34,7 @@ import platform
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -116,10 +117,24 @@ def _home() -> str:
         entry = ""
     return entry if os.path.isabs(entry) else _private_home()
 
-
-@functools.lru_cache(maxsize=1)
 def _private_home() -> str:
-    return tempfile.mkdtemp(prefix="preft_jax-home-")          # mode 0700, a new name: no one else's
+    """preft_jax.cache.location._private_home's mirror: `<tmp>/preft_jax-<uid>`, made mode 0700, used only when it is a real folder of this user that no
+    one else can write (a shared predictable path could be planted with a library by another user);
+    else a path that cannot be created (the caches then report that they run without persistence)."""
+    path = os.path.join(tempfile.gettempdir(), f"preft_jax-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return path                               # cannot be made: every cache reports it, once
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return path
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        return path
+    return os.path.join(os.devnull, f"preft_jax-{os.getuid()} (not private)")
 
 
 def libraries_dir() -> pathlib.Path:
@@ -235,11 +250,27 @@ def _dlopen(path: pathlib.Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
 
+def _noexec(folder: pathlib.Path) -> str:
+    """"" or why libraries under `folder` cannot be loaded: its (nearest existing) folder is on a
+    filesystem mounted noexec."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        flags = os.statvfs(probe).f_flag
+    except (OSError, AttributeError):
+        return ""
+    return f"{probe} is on a filesystem mounted noexec" if flags & getattr(os, "ST_NOEXEC", 0) else ""
+
+
 def _open_library() -> tuple[ctypes.CDLL, pathlib.Path, str, str]:
     """(library, its path, how: "cached" | "built" | "rebuilt" | "temporary", a note for the last two).
-    BuildError or OSError when no library can be had."""
+    BuildError or OSError when no library can be had. Where the cache cannot hold a loadable library
+    (not writable, mounted noexec, a build there that does not load) it is compiled into a temporary
+    folder for this process."""
     final, how, note = cache_dir(), "built", ""
-    if final.exists():
+    fallback = _noexec(final)
+    if not fallback and final.exists():
         why = verify(final)
         if not why:
             try:
@@ -251,29 +282,34 @@ def _open_library() -> tuple[ctypes.CDLL, pathlib.Path, str, str]:
             _discard(final)
         except OSError:
             pass                                  # read-only cache: build into a temporary folder below
-    try:
-        so = _build_cached(final)
-    except OSError as e:                          # the cache folder cannot be written
-        unwritable = f"cannot write {final.parent} ({e.strerror or e})"
-    else:
-        why = verify(final)
-        if why:
-            raise BuildError(f"the freshly built library in {final} fails its check: {why}")
+    if not fallback:
         try:
-            return _dlopen(so), so, how, note
-        except OSError as e:                      # e.g. a cache on a noexec mount: no use building it again
+            so = _build_cached(final)
+        except OSError as e:                      # the cache folder cannot be written
+            fallback = f"cannot write {final.parent} ({e.strerror or e})"
+        else:
+            why = verify(final)
+            if why:
+                raise BuildError(f"the freshly built library in {final} fails its check: {why}")
             try:
-                _discard(final)
-            except OSError:
-                pass
-            raise BuildError(f"the freshly built library in {final} does not load ({str(e)[:200]})") from None
+                return _dlopen(so), so, how, note
+            except OSError as e:                  # left out of the cache: the next start would reject it
+                try:
+                    _discard(final)
+                except OSError:
+                    pass
+                fallback = f"the library built in {final} does not load ({str(e)[:200]})"
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="preft_cpu_native_"))
     try:
         _compile_into(tmp)
-        lib = _dlopen(tmp / LIBRARY)              # mapped: the file may go now
+        try:
+            lib = _dlopen(tmp / LIBRARY)          # mapped: the file may go now
+        except OSError as e:
+            raise BuildError(f"{fallback}; the one compiled into a temporary folder does not load either "
+                             f"({str(e)[:200]})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return lib, tmp / LIBRARY, "temporary", (f"native CPU library: {unwritable}; compiled it into a temporary "
+    return lib, tmp / LIBRARY, "temporary", (f"native CPU library: {fallback}; compiled it into a temporary "
                                              f"folder for this process only")
 
 

@@ -3,8 +3,8 @@
 Root: `$PREFT_JAX_CACHE_DIR` if set, else `$XDG_CACHE_HOME/preft_jax` (an absolute path: the XDG
 spec ignores a relative one), else `~/.cache/preft_jax`, where `~` is $HOME when it is an absolute
 path, else the user's home in the password database (an empty or relative HOME would put the cache
-under whatever folder a command runs in), else a private temporary folder of this process (a shared
-predictable one could be planted with a library by another user).
+under whatever folder a command runs in), else `<tmp>/preft_jax-<uid>` when it is this user's alone
+(mode 0700; a shared predictable folder could be planted with a library by another user).
 Layout under the root:
 
     weights/v1/<sha256 of the model file>-<dtype>/   dequantized weights (see preft_jax.cache.weights)
@@ -16,9 +16,9 @@ Layout under the root:
 """
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
+import stat
 import tempfile
 
 ENV_CACHE_DIR = "PREFT_JAX_CACHE_DIR"
@@ -27,8 +27,8 @@ _FALSY = ("", "0", "false", "no", "off")
 
 
 def home() -> pathlib.Path:
-    """$HOME when absolute, else the password database's home for this user, else a private folder
-    made for this process (pallas_kernels/cpu/_build.py mirrors this: it cannot import it)."""
+    """$HOME when absolute, else the password database's home for this user, else `_private_home()`
+    (pallas_kernels/cpu/_build.py mirrors this: it cannot import it)."""
     env = os.environ.get("HOME", "")
     if os.path.isabs(env):
         return pathlib.Path(env)
@@ -41,10 +41,24 @@ def home() -> pathlib.Path:
         return pathlib.Path(entry)
     return pathlib.Path(_private_home())
 
-
-@functools.lru_cache(maxsize=1)
 def _private_home() -> str:
-    return tempfile.mkdtemp(prefix="preft_jax-home-")          # mode 0700, a new name: no one else's
+    """`<tmp>/preft_jax-<uid>`, made mode 0700, used only when it is a real folder of this user that no
+    one else can write (a shared predictable path could be planted with a library by another user);
+    else a path that cannot be created (the caches then report that they run without persistence)."""
+    path = os.path.join(tempfile.gettempdir(), f"preft_jax-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return path                               # cannot be made: every cache reports it, once
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return path
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        return path
+    return os.path.join(os.devnull, f"preft_jax-{os.getuid()} (not private)")
 
 
 def cache_root() -> pathlib.Path:
