@@ -682,6 +682,30 @@ def test_an_out_folder_that_cannot_be_one_is_one_line(tmp_path, writable_again):
                                                 f"cannot be created or written (Permission denied"), r.stderr
 
 
+@pytest.mark.slow
+def test_resuming_from_a_garbled_checkpoint_ends_in_its_error_line(tmp_path):
+    """A garbled array file: the resume used to end in ~150 lines of Orbax / TensorStore traceback, then
+    Orbax's threads printed hundreds more while the interpreter tore down; the error line is now last."""
+    import numpy as np
+    run = tmp_path / "run"
+    flags = ["--batch-size", "2", "--eval-batch-size", "2", "--rank", "2", "--n-train", "8", "--n-eval", "2",
+             "--quiet", "--out", run]
+    env = _env(PREFT_JAX_CACHE_DIR=tmp_path / "cache")
+    first = _run(["-m", "train.sft", "--steps", "1", *flags], env, timeout=600)
+    _no_crash(first)
+    files = [p for p in (run / "checkpoints" / "1" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    big = max(files, key=lambda p: p.stat().st_size)
+    big.write_bytes(np.random.default_rng(0).integers(0, 256, big.stat().st_size, dtype=np.uint8).tobytes())
+    r = _run(["-m", "train.sft", "--steps", "2", *flags], env, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith(f"error: cannot read checkpoint {run / 'checkpoints' / '1'} (Exception: Encountered error "
+                           f"while reading array index: ") and last.endswith(
+        "); it may be damaged (an interrupted save, a truncated or edited file): move it away to resume from the step "
+        "before it, or use another output folder"), last
+    assert "TensorStore details" not in last
+
+
 def test_main_guard_makes_an_os_error_one_line(capsys):
     from train import cli
 

@@ -21,6 +21,7 @@ folder (`save_peft_lora`) or the ReFT folder (`save_reft`), the PositionPolicy i
 """
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 from typing import Callable
@@ -47,17 +48,33 @@ class CheckpointReadError(ValueError):
 _MISMATCH = ("tree structures do not match", "Types do not match:", "Sequence lengths do not match:")
 
 
+class _OrphanedReads(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records for Orbax's read tasks: after one
+    read of a damaged checkpoint fails, its sibling reads fail too and are garbage-collected later,
+    each logging TensorStore's whole spec (~100 lines) after the one error line already given."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("never retrieved" in text and "orbax" in text)
+
+
+_ORPHANED_READS = _OrphanedReads()
+
+
 def _read_error(directory: pathlib.Path, step: int, e: BaseException) -> CheckpointReadError:
     """One line for an Orbax restore that failed: a tree that does not match this run's state (a
     ValueError naming what differs: the checkpoint was written with other flags) or, for anything
     else, a damaged step folder."""
-    text = " / ".join(ln.strip() for ln in str(e).strip().splitlines() if ln.strip())[:400] or type(e).__name__
+    logging.getLogger("asyncio").addFilter(_ORPHANED_READS)      # once: a logger keeps one of each filter
     folder = directory / str(step)
     if isinstance(e, ValueError) and any(p in str(e) for p in _MISMATCH):
+        text = " / ".join(ln.strip() for ln in str(e).strip().splitlines() if ln.strip())[:400]   # the tree diff
         return CheckpointReadError(
             f"cannot restore checkpoint {folder} into this run's state ({type(e).__name__}: {text}); it was written "
             f"with other flags (the optimizer's --grad-clip / --weight-decay, the adapter's targets or layers): resume "
             f"with the flags it was trained with, or use another output folder")
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = text.split(" See full TensorStore details")[0][:240]          # not the store's whole spec
     return CheckpointReadError(
         f"cannot read checkpoint {folder} ({type(e).__name__}: {text}); it may be damaged (an interrupted save, "
         f"a truncated or edited file): move it away to resume from the step before it, or use another output folder")

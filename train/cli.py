@@ -237,8 +237,24 @@ def callbacks(a) -> tuple:
     return (crash,)
 
 
-def main_guard(fn, argv=None) -> int:
-    """Runs fn(argv); user-fixable errors -> `error: ...` on stderr, exit status 2."""
+def _say_last(line: str) -> None:
+    """`line` on stderr, and nothing after it: stderr (the descriptor, which native threads write to,
+    and sys.stderr) goes to /dev/null first, the line to a copy of the descriptor."""
+    sys.stderr.flush()
+    kept = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = open(os.devnull, "w")
+    os.write(kept, (line + "\n").encode("utf-8", "replace"))
+    os.close(kept)
+
+
+def main_guard(fn, argv=None, exiting: bool = False) -> int:
+    """Runs fn(argv); user-fixable errors -> `error: ...` on stderr, exit status 2. `exiting`: the
+    process ends after this (a CLI's main): after a checkpoint that could not be read, what Orbax's
+    threads print while the interpreter tears down (the failed restore's sibling reads, each with
+    TensorStore's whole spec: hundreds of lines) is dropped, so the error stays the one line."""
     from train.checkpoint import CheckpointReadError
     from train.data import DatasetFormatError, DatasetMismatchError
     from train.trainer import ResumeError
@@ -249,8 +265,11 @@ def main_guard(fn, argv=None) -> int:
             raise
         specific = isinstance(e, (dist.DistributedError, ResumeError, FileNotFoundError, DatasetMismatchError,
                                   DatasetFormatError, CheckpointReadError, RunFolderError))
-        print(f"error: {e}" + ("" if specific else f" ({type(e).__name__}; PREFT_TRACEBACK=1 shows where)"),
-              file=sys.stderr, flush=True)
+        line = f"error: {e}" + ("" if specific else f" ({type(e).__name__}; PREFT_TRACEBACK=1 shows where)")
+        if exiting and isinstance(e, CheckpointReadError):
+            _say_last(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
         return 2
     finally:
         dist.shutdown()

@@ -381,7 +381,7 @@ def run(argv=None, prog: str = "python -m train.grpo") -> dict | None:
 
 def main(argv=None, prog: str = "python -m train.grpo") -> int:
     from train import cli
-    return cli.main_guard(lambda args: run(args, prog), argv)
+    return cli.main_guard(lambda args: run(args, prog), argv, exiting=True)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ def _home() -> str:
         entry = ""
     return entry if os.path.isabs(entry) else _private_home()
 
+
 def _private_home() -> str:
     """preft_jax.cache.location._private_home's mirror: `<tmp>/preft_jax-<uid>`, made mode 0700, used only when it is a real folder of this user that no
     one else can write (a shared predictable path could be planted with a library by another user);

@@ -41,6 +41,7 @@ def home() -> pathlib.Path:
         return pathlib.Path(entry)
     return pathlib.Path(_private_home())
 
+
 def _private_home() -> str:
     """`<tmp>/preft_jax-<uid>`, made mode 0700, used only when it is a real folder of this user that no
     one else can write (a shared predictable path could be planted with a library by another user);
