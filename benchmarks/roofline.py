@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import cost_model as cm
+from preft_jax.lowering import error_line
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BLOCK = 16
@@ -306,9 +307,9 @@ def time_round_robin(cases: dict, rounds: int, round_s: float, log=print, max_it
         as '<name>: FAIL <error>' and left out, its earlier rounds too."""
         if failed is None:
             raise e
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        failed.append(f"{name}: FAIL {type(e).__name__}: {msg}")
-        log(f"  FAIL {name}: {type(e).__name__}: {msg}")
+        line = error_line(e)
+        failed.append(f"{name}: FAIL {line}")
+        log(f"  FAIL {name}: {line}")
         del cases[name]
         out.pop(name, None)
 

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import cost_model as cm
+from preft_jax.lowering import error_line
 from benchmarks.roofline import DTYPES, hardware, run_cli
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -191,9 +192,9 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
         try:
             case(1)
         except Exception as e:                   # noqa: BLE001  (e.g. out of memory: report it, go on)
-            msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            failed.append(f"{name}: FAIL {type(e).__name__}: {msg}")
-            log(f"  FAIL {name}: {msg}")
+            line = error_line(e)
+            failed.append(f"{name}: FAIL {line}")
+            log(f"  FAIL {name}: {line.split(': ', 1)[1]}")
             del cases[name]
             continue
         log(f"  warm {name}: {time.perf_counter() - t0:.1f} s")

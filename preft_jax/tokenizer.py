@@ -311,7 +311,8 @@ class Tokenizer:
 
         Only the template inserts control tokens: a special-token string typed inside a message
         (e.g. a user writing `<|im_start|>system`) is encoded as plain text, so a message cannot
-        forge a role; one in any other string field of a message (its role, a name) is a ValueError. Chats without such text tokenize exactly as `encode(apply_chat_template(...))`.
+        forge a role; one in any other string field of a message (its role, a name) is a ValueError.
+        Chats without such text tokenize exactly as `encode(apply_chat_template(...))`.
         """
         for i, m in enumerate(messages):        # only content is located and encoded as plain text below
             for key, value in (m.items() if isinstance(m, Mapping) else ()):

@@ -236,10 +236,11 @@ def common_checks(body: dict) -> None:
     so = get(body, "stream_options", dict, None)
     if so is not None and not stream:
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    so = so or {}
     for key in ("include_usage", "continuous_usage_stats"):
-        if key in (so or {}) and not isinstance(so[key], bool):
+        if key in so and not isinstance(so[key], bool):
             raise BadRequest(f"'stream_options.{key}' must be a boolean", "stream_options")
-    if (so or {}).get("continuous_usage_stats"):
+    if so.get("continuous_usage_stats"):
         raise BadRequest("'stream_options.continuous_usage_stats' is not supported", "stream_options")
     for key, (neutral, what) in UNSUPPORTED.items():
         v = body.get(key)

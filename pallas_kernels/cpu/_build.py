@@ -3,8 +3,8 @@ its XLA FFI handlers with jax.
 
 The library is built with a C++ compiler (-O3 -march=native -fopenmp -std=c++17) against jaxlib's
 XLA FFI headers into a cache folder keyed by the source, the jaxlib version, this CPU's model and
-instruction-set flags, the C library's version, and $CXX (a compiler command may carry flags: `g++ -mno-avx512f`)
-(<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's: $PREFT_JAX_CACHE_DIR, else
+instruction-set flags, the C library's version, and $CXX (a compiler command may carry flags:
+`g++ -mno-avx512f`) (<cache>/cpu_native/<key>/, <cache> as preft_jax.cache's: $PREFT_JAX_CACHE_DIR, else
 $XDG_CACHE_HOME/preft_jax, else ~/.cache/preft_jax), so a cache shared between machines never
 hands one CPU another's build, nor one compiler command another's. Nothing is built at import: the
 first `available()` (or op call) builds, later processes load the cached file.
@@ -17,8 +17,9 @@ The cached file is never trusted blindly: the folder holds the library and its S
 (`libpreft_cpu_native.so.sha256`), built in a hidden temporary folder and published with one atomic
 rename, so a failed or interrupted build leaves nothing behind. Before loading, the library is
 checked against its checksum; a truncated or garbled file (loading one can kill the process with a
-bus error), or one that matches its checksum but does not load, is deleted and rebuilt. A cache folder that cannot be written gets a build in a temporary
-folder for this process only. Every degraded outcome (no compiler, a failed build, a rebuilt or
+bus error), or one that matches its checksum but does not load, is deleted and rebuilt. A cache
+folder that cannot be written, or cannot hold a loadable library, gets a build in a temporary folder
+for this process only. Every degraded outcome (no compiler, a failed build, a rebuilt or
 temporary library) logs ONE line on the "pallas_kernels.cpu" logger; `library_status()` tells
 what happened, and the caller falls back to the XLA path when the library is unavailable.
 """
@@ -119,9 +120,9 @@ def _home() -> str:
 
 
 def _private_home() -> str:
-    """preft_jax.cache.location._private_home's mirror: `<tmp>/preft_jax-<uid>`, made mode 0700, used only when it is a real folder of this user that no
-    one else can write (a shared predictable path could be planted with a library by another user);
-    else a path that cannot be created (the caches then report that they run without persistence)."""
+    """preft_jax.cache.location._private_home's mirror: `<tmp>/preft_jax-<uid>`, made mode 0700, used
+    only when it is a real folder of this user that no one else can write (a shared predictable path
+    could be planted with a library by another user); else a path that cannot be created."""
     path = os.path.join(tempfile.gettempdir(), f"preft_jax-{os.getuid()}")
     try:
         os.mkdir(path, 0o700)

@@ -42,6 +42,7 @@ async def chat_completions(request: Request):
         reqs, sink = await ctx.submit(request, [prompt_ids], adapter, [sp], stop, n)
     except RequestError as e:            # the engine's words are a completion's: 'prompt', 'max_tokens'
         key = protocol.max_tokens_key(body)
-        raise protocol.in_body_words(e, {"prompt": ("messages", "the conversation"), "max_tokens": (key, key)}) from None
+        words = {"prompt": ("messages", "the conversation"), "max_tokens": (key, key)}
+        raise protocol.in_body_words(e, words) from None
     fmt = ChatFormat(body["model"], ctx.tokenizer, ctx.token_text, prompt_ids, len(reqs), k_lp)
     return await ctx.respond(request, reqs, sink, fmt, body)
