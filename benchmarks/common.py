@@ -69,11 +69,13 @@ class Served:
 def serve(engine, prompts, adapters, max_tokens, *, check_length: bool = True) -> Served:
     """Submits every request at once (max_tokens: an int or one per request), steps the engine until
     all finish; TTFT = first token time - submit time of each request."""
+    from serve.request import GenerationRequest
     mts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     t0 = time.perf_counter()
     steps0 = engine.steps
     params = {m: SamplingParams(max_new_tokens=m, stop_token_ids=NO_STOP) for m in set(mts)}   # a client reuses them
-    handles = [engine.submit(p, a, params[m]) for p, a, m in zip(prompts, adapters, mts)]
+    handles = [reqs[0] for reqs in engine.submit_many(          # one batch, as a client with many prompts
+        [GenerationRequest(p, a, params[m]) for p, a, m in zip(prompts, adapters, mts)])]
     submitted = time.perf_counter()
     peak, running = 0, []
     while any(not h.finished for h in handles):

@@ -190,57 +190,83 @@ class Engine:
         (seed, i): the same seed gives the same n outputs. Until the prompt is prefilled the n are
         one unit: cancelling or failing the first ends them all. `group`: the client request these
         belong to (default: this submission), the unit the scheduler shares steps between."""
-        prompt_ids, stop = check_request(self.limits, prompt_ids, sampling, stop, n, timeout, events)
-        timeout = self.config.request_timeout if timeout is None else timeout
-        stop_ids = tuple(sampling.stop_token_ids) or tuple(self.runner.cfg.eos_token_ids)
+        return self.submit_many([GenerationRequest(prompt_ids, adapter, sampling, stop, n, events, request_id,
+                                                   timeout, group)])[0]
+
+    def submit_many(self, items: Seq) -> list[list[Request]]:
+        """Submits several prompts at once, all or nothing: every item (a `GenerationRequest`, or a
+        (prompt_ids, adapter, sampling[, stop]) tuple) is validated, its adapter referenced and the
+        queue's room checked for all of them before any is queued, so an error (RequestError
+        subclasses, as `submit`) leaves nothing queued and nothing started. Returns each item's
+        requests (`submit_n`'s list), in order. The items share one lock, one capacity check and
+        one wake-up of the loop (what a client with a batch of prompts, `generate` or a server
+        request with several prompts, would otherwise pay per prompt)."""
+        items = [r if isinstance(r, GenerationRequest) else GenerationRequest(*r) for r in items]
+        limits = self.limits
+        checked = [check_request(limits, r.prompt_ids, r.sampling, r.stop, r.n, r.timeout, r.events) for r in items]
         with self._lock:                                  # refuse before taking an adapter reference
-            self._check_capacity_locked()
-        refs = []
+            self._check_capacity_locked(len(items))
+        refs: list = []
         try:
-            for _ in range(n):
-                refs.append(self.registry.acquire(adapter))    # raises UnknownAdapterError
-            self._check_invocation(adapter, prompt_ids)   # also starts loading it now, off the engine thread
+            for r, (ids, _) in zip(items, checked):
+                refs.extend(self.registry.acquire(r.adapter) for _ in range(r.n))   # raises UnknownAdapterError
+                self._check_invocation(r.adapter, ids)    # also starts loading it now, off the engine thread
         except RequestError:
             for ref in refs:
                 self.registry.release(ref)
             raise
-        rid = request_id or new_request_id()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        seqs = []
-        for i, ref in enumerate(refs):
-            req = Request(rid if n == 1 else f"{rid}-{i}", prompt_ids, adapter, sampling, stop_ids, stop, ref,
-                          deadline=deadline, tokenizer=self.tokenizer, on_stop=lambda r: self.cancel(r),
-                          group=group or rid)
-            if sampling.seed is not None:
-                req.key_data = seed_key_data(sampling.seed, i)
-            else:
-                with self._lock:                          # submit runs on callers' threads
-                    bits = self._rng.getrandbits(64)
-                req.key_data = (bits & 0xFFFFFFFF, bits >> 32)     # uint32 [2] (sampling_columns packs the rows')
-            if events is not None:
-                req.events = events[i]
-            seq = Sequence(req, list(prompt_ids), len(prompt_ids))
-            if sampling.prompt_logprobs is not None:
-                seq.prompt_logprobs = [None] * len(prompt_ids)
-            seqs.append(seq)
-        seqs[0].forks = seqs[1:]
+        now = time.monotonic()
+        eos = tuple(self.runner.cfg.eos_token_ids)
+        unseeded = sum(r.n for r in items if r.sampling.seed is None)
+        with self._lock:                                  # submit runs on callers' threads
+            draws = iter([self._rng.getrandbits(64) for _ in range(unseeded)])
+        out, firsts = [], []
+        refs_left = iter(refs)
+        for r, (ids, stop) in zip(items, checked):
+            timeout = self.config.request_timeout if r.timeout is None else r.timeout
+            deadline = None if timeout is None else now + timeout
+            sampling, n = r.sampling, r.n
+            stop_ids = tuple(sampling.stop_token_ids) or eos
+            rid = r.request_id or new_request_id()
+            seqs = []
+            for i in range(n):
+                req = Request(rid if n == 1 else f"{rid}-{i}", ids, r.adapter, sampling, stop_ids, stop,
+                              next(refs_left), deadline=deadline, tokenizer=self.tokenizer, on_stop=self.cancel,
+                              group=r.group or rid, submitted_at=now)
+                if sampling.seed is not None:
+                    req.key_data = seed_key_data(sampling.seed, i)
+                else:
+                    bits = next(draws)
+                    req.key_data = (bits & 0xFFFFFFFF, bits >> 32)     # uint32 [2] (sampling_columns packs the rows')
+                if r.events is not None:
+                    req.events = r.events[i]
+                seq = Sequence(req, list(ids), len(ids), arrived=now)
+                if sampling.prompt_logprobs is not None:
+                    seq.prompt_logprobs = [None] * len(ids)
+                seqs.append(seq)
+            seqs[0].forks = seqs[1:]
+            firsts.append(seqs[0])
+            out.append(seqs)
         try:
             with self._lock:
-                self._check_capacity_locked()
-                self._inbox.append(seqs[0])
-                for seq in seqs:
-                    self._seqs[seq.req] = seq
-                    if deadline is not None:
-                        heapq.heappush(self._deadlines, (deadline, next(self._deadline_order), weakref.ref(seq.req)))
+                self._check_capacity_locked(len(items))
+                self._inbox.extend(firsts)
+                for seqs in out:
+                    for seq in seqs:
+                        self._seqs[seq.req] = seq
+                        if seq.req.deadline is not None:
+                            heapq.heappush(self._deadlines, (seq.req.deadline, next(self._deadline_order),
+                                                             weakref.ref(seq.req)))
         except RequestError:
             for ref in refs:
                 self.registry.release(ref)
             raise
-        self.metrics.requests_submitted += n
-        self.metrics.by_mode[self.config.mode] += n
+        total = len(refs)
+        self.metrics.requests_submitted += total
+        self.metrics.by_mode[self.config.mode] += total
         if not self._wake.is_set():                       # the loop re-checks the inbox after clearing it
             self._wake.set()
-        return [seq.req for seq in seqs]
+        return [[seq.req for seq in seqs] for seqs in out]
 
     def _check_invocation(self, adapter: str | None, prompt_ids: Seq[int]) -> None:
         """An activated (aLoRA) adapter's prompt must contain its invocation sequence: refused here
@@ -252,12 +278,16 @@ class Engine:
         if fut.done() and fut.exception() is None:
             activation_start(fut.result().policy, prompt_ids, adapter)
 
-    def _check_capacity_locked(self):
+    def _check_capacity_locked(self, adding: int = 1):
         if not self._accepting:
             raise UnavailableError("the engine is shutting down; no new requests are accepted")
-        if self.queued >= self.config.max_queued:
-            raise QueueFullError(f"the request queue is full ({self.config.max_queued} waiting requests); "
-                                 f"retry later")
+        limit = self.config.max_queued
+        queued = self.queued
+        if queued + adding > limit:
+            if adding > 1 and queued + 1 <= limit:
+                raise QueueFullError(f"the request queue has room for {limit - queued} more prompt(s) and this "
+                                     f"submission brings {adding} ({limit} waiting at most); retry later")
+            raise QueueFullError(f"the request queue is full ({limit} waiting requests); retry later")
 
     def cancel(self, req: Request) -> None:
         """Stops a queued or running request at the next step (finish_reason "cancelled")."""
@@ -269,17 +299,11 @@ class Engine:
 
     def generate(self, requests: Seq) -> list[Result]:
         """Synchronous: submits GenerationRequests (or (prompt_ids, adapter, sampling[, stop]) tuples)
-        and steps until all are done. Every request is validated before any is queued."""
+        and steps until all are done; one Result per completion, in order (n > 1: the item's n in a
+        row). All or nothing (`submit_many`): a bad request leaves nothing queued."""
         if self._thread is not None:
             raise RuntimeError("engine is running in the background; use submit() + wait()")
-        reqs = [r if isinstance(r, GenerationRequest) else GenerationRequest(*r) for r in requests]
-        limits = self.limits
-        for r in reqs:       # validate all first, so a bad one leaves nothing queued
-            check_request(limits, r.prompt_ids, r.sampling, r.stop)
-            if r.adapter is not None and r.adapter not in self.registry:
-                self.registry.acquire(r.adapter)          # raises UnknownAdapterError
-            self._check_invocation(r.adapter, r.prompt_ids)
-        handles = [self.submit(r.prompt_ids, r.adapter, r.sampling, r.stop) for r in reqs]
+        handles = [req for reqs in self.submit_many(requests) for req in reqs]
         outputs = [h.output() for h in handles]
         while any(not h.finished for h in handles):
             self.step()

@@ -43,11 +43,21 @@ def new_request_id() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
-    """One request for `Engine.generate` (tuples (prompt_ids, adapter, sampling[, stop]) work too)."""
+    """One submission for `Engine.submit_many` / `Engine.generate` (tuples (prompt_ids, adapter,
+    sampling[, stop]) work too): `n` completions of one prompt (OpenAI `n`); `events`: one sink per
+    completion (default: each request's own queue); `request_id` (default: a new id; with n > 1 the
+    completions are `<id>-<i>`); `timeout`: seconds (default `EngineConfig.request_timeout`);
+    `group`: the client request it belongs to, the unit the scheduler shares steps between (default:
+    this submission)."""
     prompt_ids: Sequence[int]
     adapter: str | None = None
     sampling: SamplingParams = SamplingParams()
     stop: Sequence[str] = ()
+    n: int = 1
+    events: Sequence | None = None
+    request_id: str | None = None
+    timeout: float | None = None
+    group: str | None = None
 
 
 @dataclasses.dataclass(eq=False)

@@ -176,6 +176,44 @@ def test_deadline_and_queue_limit(model):
         eng.submit([1], None, _sp(1), timeout=float("nan"))
 
 
+def test_submit_many_is_all_or_nothing(model):
+    """`submit_many` queues a batch only when every item is valid, its adapter known and the queue has
+    room for all of it: a bad item anywhere (validation, an unknown adapter, the queue's room) raises
+    and leaves nothing queued and no adapter reference taken; a good batch gives each item the
+    tokens it gets submitted alone, and `generate` returns n completions per item in order."""
+    from serve.errors import UnknownAdapterError
+    from serve.request import GenerationRequest
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [2, 11]]
+    want = [_alone(model, p, a, 5) for p, a in zip(prompts, ("a", None, "a"))]
+    eng, _ = _engine(model, max_queued=3)
+    bad_items = [
+        ([(prompts[0], "a", _sp(5)), (prompts[1], None, _sp(5)), ([], "a", _sp(5))], RequestError, "prompt is empty"),
+        ([(prompts[0], "a", _sp(5)), (prompts[1], "nope", _sp(5))], UnknownAdapterError, "nope"),
+        ([(p, "a", _sp(5)) for p in prompts] + [([1], None, _sp(5))], QueueFullError,
+         r"room for 3 more prompt\(s\) and this submission brings 4"),
+    ]
+    for items, error, text in bad_items:
+        with pytest.raises(error, match=text):
+            eng.submit_many(items)
+        assert not eng.busy and eng.queued == 0 and eng.registry.in_use("a") == 0
+        assert eng.metrics.requests_submitted == 0
+    reqs = eng.submit_many([GenerationRequest(p, a, _sp(5), request_id=f"r{i}")
+                            for i, (p, a) in enumerate(zip(prompts, ("a", None, "a")))])
+    assert [len(r) for r in reqs] == [1, 1, 1] and [r[0].request_id for r in reqs] == ["r0", "r1", "r2"]
+    assert eng.registry.in_use("a") == 2 and eng.queued == 3
+    with pytest.raises(QueueFullError, match="queue is full"):
+        eng.submit([1], None, _sp(1))
+    _run(eng)
+    assert [r[0].result.tokens for r in reqs] == want and eng.registry.in_use("a") == 0
+    seeded = SamplingParams(max_new_tokens=4, temperature=1.0, seed=7, stop_token_ids=NO_STOP)
+    lone = _engine(model)[0]
+    pair = lone.submit_n(prompts[1], "a", seeded, n=2)
+    _run(lone)
+    out = _engine(model)[0].generate([GenerationRequest(prompts[1], "a", seeded, n=2), (prompts[0], None, _sp(3))])
+    assert [r.tokens for r in out] == [pair[0].result.tokens, pair[1].result.tokens, _alone(model, prompts[0], None, 3)]
+    assert pair[0].result.tokens != pair[1].result.tokens          # two different samples, in their order
+
+
 def test_sweep_ends_what_cancel_and_deadlines_name(model):
     """The step's sweep ends exactly the requests `cancel` named and those past their deadline (a
     deadline heap, no per-request scan): a cancelled sibling of an n=2 prompt that waits for its

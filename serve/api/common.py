@@ -22,6 +22,7 @@ from serve.errors import EngineError, PromptTooLongError, RequestError, UnknownA
 from serve.logprobs import TokenText
 from serve.metrics import ServerMetrics
 from serve.protocol import BadRequest
+from serve.request import GenerationRequest
 
 log = logging.getLogger("serve.server")
 
@@ -128,17 +129,10 @@ class ApiContext:
                                    engine.config.request_timeout)
         sink = AsyncSink()
         rid = request_id(request)
-        reqs = []
-        try:
-            for i, (ids, sp) in enumerate(zip(prompts, sps)):
-                sinks = [TaggedSink(sink, len(reqs) + j) for j in range(n)]
-                reqs += engine.submit_n(ids, adapter, sp, n, stop, events=sinks,
-                                        request_id=rid if len(prompts) == 1 else f"{rid}-p{i}", group=rid)
-        except BaseException:
-            for r in reqs:
-                engine.cancel(r)
-            raise
-        return reqs, sink
+        items = [GenerationRequest(ids, adapter, sp, stop, n, [TaggedSink(sink, i * n + j) for j in range(n)],
+                                   rid if len(prompts) == 1 else f"{rid}-p{i}", group=rid)
+                 for i, (ids, sp) in enumerate(zip(prompts, sps))]
+        return [r for reqs in engine.submit_many(items) for r in reqs], sink      # all or nothing
 
     async def wait(self, request: Request, reqs, sink):
         """The requests' Results in order; None when the client went away (they are cancelled)."""
