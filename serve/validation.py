@@ -1,6 +1,7 @@
 """What a request must satisfy before the engine queues it: every rule that depends on the model
 or the engine (vocabulary, context length, KV pool, rows, tokenizer), defined here once and checked
-once, at submit (`Engine.submit_n`, `Engine.generate`), before anything is queued or referenced.
+once, at submit (`Engine.submit_many`, which `submit`, `submit_n` and `generate` go through), before
+anything is queued or referenced.
 
 Who owns which rule:
 * sampling fields on their own (types, finiteness, ranges: temperature >= 0, top_p in (0, 1], ...):
