@@ -35,6 +35,7 @@ from experiments.rl_folder import (Arm, StudyConfig, StudyConfigError, claim_fol
 from experiments.rl_report import write_report
 from preft_jax.progress import set_quiet
 from train.grpo import GRPOTrainer
+from train.trainer import NonFiniteLossError
 
 log = logging.getLogger("experiments.rl_study")
 
@@ -166,7 +167,7 @@ def _advance(out: pathlib.Path, units: _Units, arm: Arm, seed: int, target: int,
     try:
         state, hist = tr.fit(data.prompts, data.answers, checkpoint_dir=folder / "ckpt",
                              metrics_path=folder / "metrics.jsonl", until=target, callbacks=(nan_guard,))
-    except Diverged as e:
+    except (Diverged, NonFiniteLossError) as e:        # the trainer stops at a NaN loss before saving it
         status.update(state="diverged", diverged_at=e.step, diverged_metric=e.what, steps_done=e.step,
                       seconds=status["seconds"] + time.time() - t0)
         write_status(folder, status)

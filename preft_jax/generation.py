@@ -123,6 +123,7 @@ def _decode_loop(graphdef, state, cache, first_tokens, prompt_lengths, bank, ada
 class Generation:
     tokens: list[int]          # generated ids, stop token excluded
     finish_reason: str         # "stop" or "length"
+    stop_token: int | None = None   # the stop id sampled ("stop"): which of several it was
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -269,5 +270,5 @@ def _repeat_rows(logits, cache: KVCache, prompt_lengths, group: int):
 def _trim(row: np.ndarray, stop: Sequence[int]) -> Generation:
     for i, t in enumerate(row.tolist()):
         if t in stop:
-            return Generation(row[:i].tolist(), "stop")
+            return Generation(row[:i].tolist(), "stop", t)
     return Generation(row.tolist(), "length")

@@ -339,6 +339,12 @@ class Tokenizer:
             pos = at + len(text)
         return ids + self.encode(rendered[pos:])
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a user's text outside a chat (an SFT response): special-token strings in it
+        are ordinary text, as in `encode_chat`'s message content (only a template writes control
+        tokens); the same ids as `encode` for text without them."""
+        return self.encode_plain(text) if self._special_pattern().search(text) else self.encode(text)
+
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` with special-token strings encoded as ordinary text."""
         if getattr(self, "_plain_backend", None) is None:

@@ -1,5 +1,6 @@
 """Orbax checkpoints resume exactly; exported adapters load back and give the trained logits."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,55 @@ def test_resume_is_exact(runner, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+class _NaNAtStep(SFTTrainer):
+    """An SFT trainer whose update reports a NaN loss at optimizer step `at` (what a diverged run,
+    an infinite learning rate or a NaN reward gives)."""
+    at = 2
+
+    def update(self, ts, batch, global_batch_size=None):
+        ts, m = super().update(ts, batch, global_batch_size)
+        return ts, ({**m, "loss": jnp.float32(jnp.nan)} if int(ts.step) == self.at else m)
+
+
+def test_run_guards_nan_loss_torn_metrics_and_steps(runner, tmp_path, caplog):
+    """The loop stops at a NaN loss before checkpointing that step (the metrics row is kept); a
+    torn last line of metrics.jsonl (a crash mid-write) is dropped with a warning when the run
+    resumes; a checkpoint past --steps is refused by name instead of exporting it untrained."""
+    from train.trainer import NonFiniteLossError, ResumeError
+    data = _data(8)
+    tc = SFTConfig(adapter=AdapterSpec(rank=2, targets=("q",)), steps=3, batch_size=4, log_every=0, seq_len=16,
+                   optimizer=OptimizerConfig(lr=1e-2), checkpoint=CheckpointConfig(every=1))
+    ck, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    with pytest.raises(NonFiniteLossError, match=r"step 2: loss nan; the run stopped before saving this step "
+                                                  r"\(last checkpoint: step 1\)"):
+        _NaNAtStep(CFG, runner.graphdef, runner.state, tc).fit(data, checkpoint_dir=ck, metrics_path=metrics)
+    with Checkpointer(ck) as c:
+        assert c.latest_step() == 1
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == [1, 2]
+    with metrics.open("a") as f:
+        f.write('{"step": 3, "loss": 10.8')                 # torn by a crash
+    with caplog.at_level("WARNING", logger="train"):
+        _, hist = SFTTrainer(CFG, runner.graphdef, runner.state, tc).fit(data, checkpoint_dir=ck, metrics_path=metrics)
+    assert [h["step"] for h in hist] == [2, 3]
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == [1, 2, 3]
+    assert "dropped 1 line(s) that are not JSON rows" in caplog.text and str(metrics) in caplog.text
+    short = dataclasses.replace(tc, steps=2)
+    with pytest.raises(ResumeError, match=r"is at step 3, past this run's --steps 2; give --steps 3 or more"):
+        SFTTrainer(CFG, runner.graphdef, runner.state, short).fit(data, checkpoint_dir=ck)
+
+
+def test_sft_rows_longer_than_the_context_are_named(runner):
+    cfg = dataclasses.replace(CFG, max_seq_len=24)
+    data = _data(8)
+    data.responses[5] = data.responses[5] + [7] * 30           # row 6: past the model's 24 positions
+    tc = SFTConfig(adapter=AdapterSpec(rank=2, targets=("q",)), steps=1, batch_size=8, log_every=0)
+    with pytest.raises(ValueError, match=r"row 6 of the train split is \d+ tokens \(prompt \d+ \+ response 33, "
+                                         r"end of turn included\); the model's context is 24 tokens"):
+        SFTTrainer(cfg, runner.graphdef, runner.state, tc).fit(data)
+    with pytest.raises(ValueError, match=r"row 6 of the train split .* --seq-len is 16 tokens: .* or raise --seq-len"):
+        SFTTrainer(CFG, runner.graphdef, runner.state, dataclasses.replace(tc, seq_len=16)).fit(data)
+
+
 def test_checkpointer_interval_and_retention(runner, tmp_path):
     tc = SFTConfig(adapter=AdapterSpec(rank=2, targets=("q",)), steps=10, log_every=0)
     trainer = SFTTrainer(CFG, runner.graphdef, runner.state, tc)
@@ -131,8 +181,8 @@ def test_a_damaged_checkpoint_is_one_error_naming_its_folder(runner, tmp_path):
 
 
 def _trained(runner, adapter, mode, steps=3):
-    tc = SFTConfig(adapter=AdapterSpec(kind=adapter, rank=3, mode=mode, targets=("q", "k", "o", "up"),
-                                       layers=None if adapter == "lora" else (0, 2)),
+    where = dict(targets=("q", "k", "o", "up")) if adapter == "lora" else dict(layers=(0, 2))
+    tc = SFTConfig(adapter=AdapterSpec(kind=adapter, rank=3, mode=mode, **where),
                    steps=steps, batch_size=8, optimizer=OptimizerConfig(lr=5e-2), log_every=0, seq_len=16)
     trainer = SFTTrainer(CFG, runner.graphdef, runner.state, tc)
     state, _ = trainer.fit(_data())

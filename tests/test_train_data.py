@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from train.data import (BatchIterator, Tokenized, bucket, encode_prompt, eval_batches, load_split, pad_batch,
-                        tokenize_dataset, write_dataset)
+                        tokenize_dataset, tokenize_row, write_dataset)
 from train.tasks import ANSWER_FORMAT, extract_answer, generate_examples, reward
 
 
@@ -43,6 +43,33 @@ def test_generation_is_deterministic_and_correct():
 ])
 def test_reward(text, answer, expected):
     assert reward(text, answer) == expected
+    assert reward(text, str(answer)) == expected          # a dataset's answer may be a string of the number
+    assert reward(text, f" {answer:,} ") == expected
+
+
+def test_reward_refuses_an_answer_that_is_no_number():
+    from train.grpo import check_answers
+    from train.data import DatasetFormatError
+    with pytest.raises(ValueError, match="answer 'forty' is not one"):
+        reward("The answer is 40.", "forty")
+    check_answers([7, "7", " -1,250 ", 2.5, "3."], "train.jsonl")
+    with pytest.raises(DatasetFormatError, match=r"train.jsonl: row 3: answer 'x7' is not a number; --reward answer"):
+        check_answers([7, "7", "x7", "8"], "train.jsonl")
+
+
+def test_response_control_token_text_stays_text(default_gguf_path):
+    """A response that types the chat template's control tokens is trained on as text: only the
+    template and the appended end of turn are control ids (as `encode_chat` treats message content)."""
+    from preft_jax.loading.gguf_loader import load_gguf_tokenizer
+    tok = load_gguf_tokenizer(default_gguf_path)
+    specials = tok.special_token_ids
+    row = {"question": "Quote: <|im_end|>", "response": "Sure: <|im_end|>\n<|im_start|>user\nhi", "answer": 0}
+    p, r = tokenize_row(tok, row)
+    assert [t for t in r if t in specials] == [tok.eos_token_ids[0]] and r[-1] == tok.eos_token_ids[0]
+    assert tok.decode(r[:-1], skip_special_tokens=False) == row["response"]
+    assert r[:-1] == tok.encode_plain(row["response"])
+    plain = {"question": "2+2?", "response": "The answer is 4.", "answer": 4}
+    assert tokenize_row(tok, plain)[1][:-1] == tok.encode(plain["response"])    # no control text: as before
 
 
 def test_write_and_load_through_datasets(tmp_path):

@@ -232,3 +232,33 @@ def test_one_inner_step_skips_old_pass_same_gradient(runner):
         # leaf differed by 1.5e-5 on an AMD EPYC without AVX-512
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6 * np.abs(b).max())
     assert any(np.any(np.asarray(a) != 0) for a in jax.tree.leaves(g1))
+
+
+@pytest.mark.slow
+def test_scored_response_ends_with_the_sampled_stop_id_and_rewards_are_checked(runner):
+    """With several stop ids the scored response ends with the one that was sampled (the rollout's
+    raw samples, drawn without stop ids from the same key, are the reference), and a reward
+    function returning NaN / None / inf stops the rollout with an error naming it."""
+    import dataclasses as dc
+
+    from train.grpo import RewardError
+    stops = (2,) + tuple(range(100, 250))                   # most samples stop early, on many different ids
+    tr = GRPOTrainer(CFG, runner, GRPOConfig(adapter=AdapterSpec(rank=4), **GC), _reward, stop_token_ids=stops)
+    ts = tr.init_state()
+    prompts = _prompts()[:2]
+    ro = tr.rollout(ts.params, prompts, [0, 0], jax.random.key(4))
+    bank = adapter_bank(CFG, tr.adapter_config, ts.params)
+    raw = runner.generate(ro.prompts, dc.replace(tr.sampling(), stop_token_ids=(-1,)), bank, [1] * 8,
+                          jax.random.key(4))
+    ended = []
+    for c, r, g in zip(ro.completions, ro.responses, raw):
+        assert r == g.tokens[:len(r)] and c == r[:len(c)]
+        if len(r) > len(c):
+            assert r[-1] in stops
+            ended.append(r[-1])
+    assert any(t != stops[0] for t in ended), ended        # the case the first stop id got wrong
+    for bad in (float("nan"), None, float("inf")):
+        tr.reward_fn = lambda ids, answer, bad=bad: bad
+        with pytest.raises(RewardError, match=rf"returned {bad!r} for a completion of prompt 0 of this step; "
+                                              r"a reward must be a finite number"):
+            tr.rollout(ts.params, prompts, [0, 0], jax.random.key(4))

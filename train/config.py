@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 
@@ -65,6 +66,14 @@ def _from_json(tp, v):
     return v
 
 
+def check_finite(owner: str, value, name: str, low: float, low_ok: bool) -> None:
+    """ValueError unless `value` is a finite number > low (>= low with low_ok): NaN and inf pass
+    comparisons such as `not x > 0` or `x < 0`, and train an adapter of NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (value >= low if low_ok else value > low):
+        raise ValueError(f"{owner}.{name} must be a finite number {'>=' if low_ok else '>'} {low:g}, got {value!r}")
+
+
 def _positive(owner: str, **values):
     for k, v in values.items():
         if v is not None and v < 1:
@@ -95,6 +104,13 @@ class AdapterSpec(JsonConfig):
             raise ValueError(f"LoRA targets must be a non-empty subset of {LORA_TARGETS}, got {self.targets}")
         if self.reft_kind not in REFT_KINDS:
             raise ValueError(f"reft_kind must be one of {REFT_KINDS}, got {self.reft_kind!r}")
+        if self.alpha is not None:
+            if self.kind != "lora":
+                raise ValueError(f"alpha is a LoRA setting; a {self.kind} adapter has none (got alpha={self.alpha})")
+            check_finite("AdapterSpec", self.alpha, "alpha", 0, False)
+        if self.kind != "lora" and tuple(self.targets) != LORA_TARGETS:
+            raise ValueError(f"targets choose LoRA's projections; a {self.kind} adapter acts on the residual stream "
+                             f"of its layers (choose them with layers), got targets={tuple(self.targets)}")
         if self.layers is not None and (not self.layers or min(self.layers) < 0):
             raise ValueError(f"layers must be None (all) or non-empty non-negative indices, got {self.layers}")
         if self.mode == "activated" and not self.invocation:
@@ -131,10 +147,12 @@ class OptimizerConfig(JsonConfig):
     end_lr_ratio: float = 0.1
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or (self.grad_clip or 0) < 0:
-            raise ValueError("warmup_steps, weight_decay and grad_clip must be >= 0")
+        check_finite("OptimizerConfig", self.lr, "lr", 0, False)
+        check_finite("OptimizerConfig", self.weight_decay, "weight_decay", 0, True)
+        if self.grad_clip is not None:
+            check_finite("OptimizerConfig", self.grad_clip, "grad_clip", 0, True)
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.end_lr_ratio <= 1:
             raise ValueError(f"end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
 
@@ -244,6 +262,8 @@ class TrainerConfig(JsonConfig):
                   pad_multiple=self.pad_multiple)
         if self.log_every < 0 or self.eval_every < 0:
             raise ValueError("log_every and eval_every must be >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"{type(self).__name__}.seed must be a non-negative integer, got {self.seed!r}")
 
     def adapter_config(self, model_cfg: ModelConfig):
         return self.adapter.build(model_cfg)

@@ -253,9 +253,12 @@ def append_invocation(prompt: Sequence[int], invocation: Sequence[int] | None) -
 
 def tokenize_row(tokenizer, row: dict, system_prompt: str | None = SYSTEM_PROMPT,
                  invocation: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
-    """(prompt ids (+ the invocation ids, see `append_invocation`), response ids + end-of-turn id)."""
+    """(prompt ids (+ the invocation ids, see `append_invocation`), response ids + end-of-turn id).
+    Special-token text in the question or the response is encoded as ordinary text: only the chat
+    template and the appended end of turn are control tokens (`Tokenizer.encode_text`)."""
     prompt = append_invocation(encode_prompt(tokenizer, row["question"], system_prompt), invocation)
-    response = tokenizer.encode(row["response"]) + [end_of_turn_id(tokenizer)]
+    encode_text = getattr(tokenizer, "encode_text", tokenizer.encode)
+    response = encode_text(row["response"]) + [end_of_turn_id(tokenizer)]
     return prompt, response
 
 

@@ -40,6 +40,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import math
 import os
 import pathlib
 from typing import Callable, Sequence
@@ -55,7 +56,7 @@ from preft_jax.generation import ModelRunner
 from preft_jax.sampling import SamplingParams
 from train import distributed as dist
 from train.common import TrainState, adapted_logprobs
-from train.config import OptimizerConfig, TrainerConfig
+from train.config import OptimizerConfig, TrainerConfig, check_finite
 from train.data import bucket, pad_batch
 from train.trainer import Callback, Trainer
 
@@ -82,13 +83,35 @@ class GRPOConfig(TrainerConfig):
         for k in ("prompts_per_step", "group_size", "max_new_tokens", "inner_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"GRPOConfig.{k} must be >= 1, got {getattr(self, k)}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (rollouts are sampled), got {self.temperature}")
-        if self.clip_eps <= 0 or self.kl_coef < 0 or self.adv_eps <= 0:
-            raise ValueError("clip_eps and adv_eps must be > 0, kl_coef >= 0")
+        if self.group_size < 2:
+            raise ValueError("GRPOConfig.group_size must be >= 2: a completion's advantage is its reward against "
+                             "the others of its group, so a group of 1 has advantage 0 and learns nothing")
+        for k, low_ok in (("temperature", False), ("clip_eps", False), ("adv_eps", False), ("kl_coef", True)):
+            check_finite("GRPOConfig", getattr(self, k), k, 0, low_ok)     # rollouts are sampled: temperature > 0
         if self.adapter.mode == "activated":
             raise ValueError("GRPO trains prefill or all-token adapters; mode 'activated' (aLoRA) is trained by "
                              "train.sft")
+
+
+class RewardError(ValueError):
+    """A reward function returned something that is not a finite number."""
+
+
+def reward_value(value, fn, prompt: int) -> float:
+    """`value` (a reward function's return) as a float; RewardError naming the function when it is
+    not a finite real number (NaN / inf / None would make every advantage of its group, and then
+    the adapter, NaN)."""
+    try:       # a Python / numpy / 0-d array number (a bool counts as 0 / 1); not a string
+        f = None if isinstance(value, (str, bytes)) or np.ndim(value) or np.iscomplexobj(value) else float(value)
+    except (TypeError, ValueError):
+        f = None
+    if f is None or not math.isfinite(f):
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        module = getattr(fn, "__module__", None)
+        where = f"{module}:{name}" if module else name
+        raise RewardError(f"the reward function {where} returned {repr(value)[:100]} for a completion of prompt "
+                          f"{prompt} of this step; a reward must be a finite number")
+    return f
 
 
 # ------------------------------------------------------------------------------- the objective
@@ -176,9 +199,9 @@ class GRPOTrainer(Trainer):
         gens = self.runner.generate([list(p) for p in prompts], self.sampling(), bank, [1] * len(prompts), key,
                                     group=G)     # one prefill per prompt, G samples of each
         completions = [g.tokens for g in gens]
-        responses = [g.tokens + ([self.stop[0]] if g.finish_reason == "stop" else []) for g in gens]
-        rewards = np.array([self.reward_fn(c, answers[i // G]) for i, c in enumerate(completions)],
-                           np.float32).reshape(len(prompts), G)
+        responses = [g.tokens + ([g.stop_token] if g.finish_reason == "stop" else []) for g in gens]
+        rewards = np.array([reward_value(self.reward_fn(c, answers[i // G]), self.reward_fn, i // G)
+                            for i, c in enumerate(completions)], np.float32).reshape(len(prompts), G)
         texts = [self.decode(c) for c in completions] if self.decode else []
         return Rollouts(rep, completions, responses, rewards, texts)
 
@@ -309,6 +332,19 @@ def load_reward(spec: str, tokenizer) -> Callable[[Sequence[int], object], float
     return fn
 
 
+def check_answers(answers: Sequence, where) -> None:
+    """The "answer" reward compares a completion's final number with each row's answer: every answer
+    must be a number or a string of one (`train.tasks.answer_number`), else a DatasetFormatError
+    naming the row (it would score 0 for every completion, and train nothing, silently)."""
+    from train.data import DatasetFormatError
+    from train.tasks import answer_number
+    for i, ans in enumerate(answers):
+        if answer_number(ans) is None:
+            raise DatasetFormatError(f"{where}: row {i + 1}: answer {repr(ans)[:80]} is not a number; --reward answer "
+                                     f"compares the completion's final number with it (a number, or a string of "
+                                     f"one); give another reward with --reward module:function")
+
+
 DATA_FLAGS = ("n_train", "seed", "tasks", "max_ops")     # what a generated dataset depends on
 
 
@@ -360,10 +396,12 @@ def run(argv=None, prog: str = "python -m train.grpo") -> dict | None:
     mesh = dist.build_mesh(gc.mesh)   # the mesh must fit the devices
     data = cli.prepare_data(a, generation_params(a.n_train, 1, a.seed + 1, a.tasks.split(","), a.max_ops), a.given)
     rows = load_split(data, "train", fields=("question", "answer"))   # a bad file fails before the model loads
+    answers = [r["answer"] for r in rows]
+    if a.reward == "answer":
+        check_answers(answers, pathlib.Path(data) / "train.jsonl")
     cfg, runner, tok = cli.load_base(opts, mesh)                    # weights streamed into the mesh
     reward_fn = load_reward(a.reward, tok)
     prompts = [encode_prompt(tok, r["question"]) for r in rows]
-    answers = [r["answer"] for r in rows]
     trainer = GRPOTrainer(cfg, runner, gc, reward_fn, tok.eos_token_ids, tok.pad_token_id or 0, mesh=mesh,
                           decode=tok.decode)
     out = pathlib.Path(a.out)

@@ -114,14 +114,26 @@ class SFTTrainer(Trainer):
         return super().step(ts, batch, global_batch_size)
 
     # ---- the batch source: this process's rows of each global batch
-    def _pad_rows(self, data: Tokenized, idx, n_real: int) -> tuple[dict, int]:
+    def _pad_rows(self, data: Tokenized, idx, n_real: int, split: str = "train") -> tuple[dict, int]:
         """(arrays of this process's rows of the global batch `idx`, global batch size); rows at
         global positions >= n_real are filler (masked out)."""
         c = self.config
         rows = self.local_rows(len(idx))
         mine = [int(i) for i in idx[rows]]
-        longest = max(len(data.prompts[i]) + len(data.responses[i]) for i in mine)
-        length = c.seq_len or bucket(dist.global_max(longest), c.pad_multiple)
+        sizes = [len(data.prompts[i]) + len(data.responses[i]) for i in mine]
+        longest = max(sizes)
+        overall = dist.global_max(longest)          # every process decides alike (no one left in a collective)
+        limit, flag = (c.seq_len, "--seq-len") if c.seq_len else (self.model_cfg.max_seq_len, "the model's context")
+        if overall > limit:
+            fix = "shorten or drop that row" + (", or raise --seq-len" if c.seq_len else "")
+            if longest < overall:
+                raise ValueError(f"a row of the {split} split read by another process is {overall} tokens; {flag} "
+                                 f"is {limit} tokens: {fix}")
+            at = mine[sizes.index(longest)]
+            raise ValueError(f"row {at + 1} of the {split} split is {longest} tokens (prompt {len(data.prompts[at])} + "
+                             f"response {len(data.responses[at])}, end of turn included); {flag} is {limit} tokens: "
+                             f"{fix}")
+        length = c.seq_len or bucket(overall, c.pad_multiple, self.model_cfg.max_seq_len)
         b = pad_batch([data.prompts[i] for i in mine], [data.responses[i] for i in mine], self.pad_id, length)
         real = np.arange(rows.start, rows.stop) < n_real
         b.loss_mask[~real] = 0.0
@@ -159,7 +171,7 @@ class SFTTrainer(Trainer):
         for s in range(0, len(data), bs):
             n_real = min(bs, len(data) - s)
             idx = np.asarray(list(range(s, s + n_real)) + [0] * (bs - n_real))
-            out.append(self._pad_rows(data, idx, n_real)[0])
+            out.append(self._pad_rows(data, idx, n_real, "eval")[0])
         return out
 
     def evaluate(self, state):

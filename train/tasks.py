@@ -122,6 +122,8 @@ def generate_examples(n: int, seed: int, tasks: Sequence[str] = TASKS, max_ops: 
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {tuple(tasks)}")
+    if isinstance(max_ops, bool) or not isinstance(max_ops, int) or max_ops < 1:
+        raise ValueError(f"max_ops (--max-ops) must be an integer >= 1, got {max_ops!r}")
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -155,7 +157,22 @@ def extract_answer(text: str) -> int | float | None:
     return _to_int(nums[-1]) if nums else None
 
 
-def reward(completion_text: str, answer: int) -> float:
-    """1.0 when the completion's final number equals `answer`, else 0.0."""
+def answer_number(answer) -> int | float | None:
+    """A dataset's answer as the number `reward` compares with: an int or float, or a string of one
+    ("42", " 1,234 ", "-3.5", "7."), else None."""
+    if isinstance(answer, bool):
+        return None
+    if isinstance(answer, (int, float)):
+        return answer
+    return _to_int(answer.strip()) if isinstance(answer, str) and _NUMBER_RE.fullmatch(answer.strip().rstrip(".")) \
+        else None
+
+
+def reward(completion_text: str, answer) -> float:
+    """1.0 when the completion's final number equals `answer` (a number or a string of one), else 0.0.
+    ValueError for an answer that is no number (train.grpo checks a dataset's answers up front)."""
+    want = answer_number(answer)
+    if want is None:
+        raise ValueError(f"the answer reward compares numbers; answer {answer!r} is not one")
     got = extract_answer(completion_text)
-    return 1.0 if got is not None and got == answer else 0.0
+    return 1.0 if got is not None and got == want else 0.0

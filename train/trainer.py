@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pathlib
 import time
@@ -44,9 +45,19 @@ class ResumeError(ValueError):
     """A checkpoint cannot be resumed by this run (other model, adapter or process count)."""
 
 
+class NonFiniteLossError(ValueError):
+    """A step's loss or gradient norm is NaN or infinite: the run stops before that state is saved.
+    `step`: the step; `what`: the first metric that is not finite ("loss" or "grad_norm")."""
+
+    def __init__(self, message: str, step: int, what: str):
+        super().__init__(message)
+        self.step, self.what = step, what
+
+
 class MetricsSink:
     """Appends one JSON row per step to a jsonl file (process 0 only). On resume at `position`, rows
-    of later steps (written after the checkpoint a crashed run resumes from) are dropped first."""
+    of later steps (written after the checkpoint a crashed run resumes from) are dropped first, and so
+    are lines that are not JSON objects (a row torn by the crash), with one warning naming the file."""
 
     def __init__(self, path: str | os.PathLike | None, position: int = 0):
         self.f = None
@@ -54,8 +65,19 @@ class MetricsSink:
             return
         path = pathlib.Path(path)
         if path.is_file():
-            rows = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-            keep = [ln for ln in rows if json.loads(ln).get("step", 0) <= position]
+            rows = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+            keep, torn = [], 0
+            for ln in rows:
+                try:
+                    row = json.loads(ln)
+                except ValueError:
+                    row = None
+                if not isinstance(row, dict):
+                    torn += 1
+                elif not isinstance(row.get("step", 0), (int, float)) or row.get("step", 0) <= position:
+                    keep.append(ln)
+            if torn:
+                log.warning("%s: dropped %d line(s) that are not JSON rows (torn by an interrupted run?)", path, torn)
             if len(keep) != len(rows):
                 path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
         self.f = open(path, "a", encoding="utf-8")
@@ -204,6 +226,10 @@ class Trainer:
                     state, meta = ckpt.restore(self.setup.abstract_state,
                                                expect=lambda m: self.check_resumable(m, where))
                     position = int(meta["data_position"])
+                    if position > c.steps:
+                        raise ResumeError(f"cannot resume: {where} is at step {position}, past this run's "
+                                          f"--steps {c.steps}; give --steps {position} or more to go on from it, or "
+                                          f"another output folder")
                     self.on_restore(meta)
                     if dist.is_primary():
                         log.info("resumed from %s (batch %d)", where, position)
@@ -229,6 +255,7 @@ class Trainer:
                     row.update(self.evaluate(state))
                 history.append(row)
                 sink.write(row)
+                self._check_finite(row, position, ckpt)
                 bar.update(1)
                 bar.set_postfix({k: f"{row[k]:.4f}" for k in ("loss", *self.log_keys()) if k in row}, refresh=False)
                 self._log(row, position, until, start, t_start)
@@ -243,6 +270,19 @@ class Trainer:
             if ckpt is not None:
                 ckpt.close()
         return state, history
+
+    def _check_finite(self, row: dict, position: int, ckpt) -> None:
+        """NonFiniteLossError when the step's loss or gradient norm is not finite: its update made
+        the adapter NaN (or will), so it is neither checkpointed nor exported. The metrics row is
+        written first (what the step saw)."""
+        bad = [k for k in ("loss", "grad_norm") if k in row and not math.isfinite(row[k])]
+        if not bad:
+            return
+        last = None if ckpt is None else ckpt.latest_step()
+        raise NonFiniteLossError(
+            f"step {position}: {' and '.join(f'{k} {row[k]}' for k in bad)}; the run stopped before saving this "
+            f"step (last checkpoint: {'none' if last is None else f'step {last}'}). Lower --lr or --grad-clip, or "
+            f"check the data (and the reward function)", position, bad[0])
 
     def _log(self, row: dict, position: int, until: int, start: int, t_start: float):
         c = self.config
