@@ -210,6 +210,8 @@ class AdapterRef:
     name: str
     entry: HostEntry | None = None              # the version this request uses, fixed when first resolved
     slot: int = 0                               # adapter slot while pinned (0: not pinned)
+    pending: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False)
+                                                # the load `resolve` waits on (its failure is this request's)
 
 
 @dataclasses.dataclass
@@ -297,6 +299,7 @@ class AdapterCatalog:
         with self.lock:
             self._check_loadable_locked(name)
             self._sources[name] = src
+            self._loading.pop(name, None)        # a load of what the name was before lands nowhere
             self._insert_host_locked(entry)
         return entry.kind
 
@@ -349,6 +352,7 @@ class AdapterCatalog:
     def _forget_locked(self, name: str) -> None:
         del self._sources[name]
         self._drop_host_locked(name)
+        self._loading.pop(name, None)            # a load under way for this registration lands nowhere now
 
     def draining(self) -> dict[str, int]:
         """Adapters unloaded while in use: name -> the references still held."""
@@ -520,10 +524,20 @@ class AdapterCatalog:
             with self.lock:
                 if self._loading.get(name) is f:
                     del self._loading[name]
-                if f.exception() is None and self._source(name) is not None:
+                # only into the host tier of the registration it was read for: one unloaded (and
+                # perhaps registered again from another folder) meanwhile gets nothing of it
+                if not f.cancelled() and f.exception() is None and self._same_source_locked(name, src):
                     self._insert_host_locked(f.result())
         fut.add_done_callback(done)
         return fut
+
+    def _same_source_locked(self, name: str, src: _Source) -> bool:
+        """Whether `src` (what a load read) is still how `name` is served: its registration, or its
+        folder in `adapter_dir` for a name that is not registered."""
+        registered = self._sources.get(name)
+        if registered is not None:
+            return registered is src
+        return src.weights is None and src.root == self.adapter_dir and self._dir_path(name) == src.path
 
     # ---- requests ----------------------------------------------------------------------------
     def acquire(self, name: str | None) -> AdapterRef | None:
@@ -565,9 +579,12 @@ class AdapterCatalog:
         Raises the load error when the adapter cannot be loaded."""
         if ref.entry is not None:
             return ref.entry
-        fut = self._prepare_any(ref.name)        # a draining adapter too: this request holds it
-        if not fut.done():
+        fut = ref.pending                        # the load this request waits on: its outcome is this
+        if fut is None or fut.cancelled():       # request's, a failure included (a new load per call would
+            fut = ref.pending = self._prepare_any(ref.name)     # never end, and retry a broken folder per step)
+        if not fut.done():                       # (a draining adapter too: this request holds it)
             return None
+        ref.pending = None
         ref.entry = fut.result()           # raises AdapterLoadError / UnknownAdapterError
         return ref.entry
 

@@ -18,7 +18,7 @@ from serve import protocol, validation
 from serve.access import ServerConfig, check_api_key
 from serve.api.formatting import SSE_DONE, sse
 from serve.bridge import AsyncSink, ClientGone, TaggedSink, collect_many
-from serve.errors import EngineError, PromptTooLongError, RequestError, UnknownAdapterError
+from serve.errors import DeadlineExceededError, EngineError, PromptTooLongError, RequestError, UnknownAdapterError
 from serve.logprobs import TokenText
 from serve.metrics import ServerMetrics
 from serve.protocol import BadRequest
@@ -124,13 +124,19 @@ class ApiContext:
         engine = self.engine
         validation.check_request_group(engine.limits, [len(p) for p in prompts], n,
                                        any(sp.prompt_logprobs is not None for sp in sps))
+        timeout, started = engine.config.request_timeout, time.monotonic()
         if adapter is not None:        # load it (disk -> host) before anything starts: errors are 4xx
-            await asyncio.wait_for(asyncio.wrap_future(engine.registry.prepare(adapter)),
-                                   engine.config.request_timeout)
+            loading = engine.registry.prepare(adapter)       # shared by every request waiting for it:
+            try:                                             # shielded, so a request that gives up
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(loading)), timeout)   # cancels no load
+            except TimeoutError:
+                raise DeadlineExceededError(f"adapter {adapter!r} did not load within this request's deadline "
+                                            f"({timeout:g} s); it goes on loading: retry later") from None
+        left = None if timeout is None else max(timeout - (time.monotonic() - started), 1e-3)   # one deadline
         sink = AsyncSink()
         rid = request_id(request)
         items = [GenerationRequest(ids, adapter, sp, stop, n, [TaggedSink(sink, i * n + j) for j in range(n)],
-                                   rid if len(prompts) == 1 else f"{rid}-p{i}", group=rid)
+                                   rid if len(prompts) == 1 else f"{rid}-p{i}", left, rid)
                  for i, (ids, sp) in enumerate(zip(prompts, sps))]
         return [r for reqs in engine.submit_many(items) for r in reqs], sink      # all or nothing
 
