@@ -714,6 +714,13 @@ def test_main_guard_makes_an_os_error_one_line(capsys):
     assert cli.main_guard(fails) == 2
     assert capsys.readouterr().err == ("error: [Errno 20] Not a directory: '/x/y' (NotADirectoryError; "
                                        "PREFT_TRACEBACK=1 shows where)\n")
+    from train.grpo import RewardError
+    from train.trainer import NonFiniteLossError
+    for error in (NonFiniteLossError("step 2: loss nan; the run stopped", 2, "loss"), RewardError("the reward ...")):
+        def stops(argv, error=error):
+            raise error
+        assert cli.main_guard(stops) == 2
+        assert capsys.readouterr().err == f"error: {error}\n"          # says it all: no type, no hint
 
 
 def test_datasets_progress_bars_only_on_a_terminal(tmp_path):

@@ -257,16 +257,14 @@ def main_guard(fn, argv=None, exiting: bool = False) -> int:
     TensorStore's whole spec: hundreds of lines) is dropped, so the error stays the one line."""
     from train.checkpoint import CheckpointReadError
     from train.data import DatasetFormatError, DatasetMismatchError
-    from train.grpo import RewardError
-    from train.trainer import NonFiniteLossError, ResumeError
+    from train.trainer import ResumeError, RunError
     try:
         fn(argv)
     except (dist.DistributedError, ResumeError, ValueError, OSError) as e:
         if os.environ.get("PREFT_TRACEBACK"):
             raise
         specific = isinstance(e, (dist.DistributedError, ResumeError, FileNotFoundError, DatasetMismatchError,
-                                  DatasetFormatError, CheckpointReadError, RunFolderError, NonFiniteLossError,
-                                  RewardError))
+                                  DatasetFormatError, CheckpointReadError, RunFolderError, RunError))
         line = f"error: {e}" + ("" if specific else f" ({type(e).__name__}; PREFT_TRACEBACK=1 shows where)")
         if exiting and isinstance(e, CheckpointReadError):
             _say_last(line)

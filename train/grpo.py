@@ -58,7 +58,7 @@ from train import distributed as dist
 from train.common import TrainState, adapted_logprobs
 from train.config import OptimizerConfig, TrainerConfig, check_finite
 from train.data import bucket, pad_batch
-from train.trainer import Callback, Trainer
+from train.trainer import Callback, RunError, Trainer
 
 log = logging.getLogger("train.grpo")
 
@@ -93,7 +93,7 @@ class GRPOConfig(TrainerConfig):
                              "train.sft")
 
 
-class RewardError(ValueError):
+class RewardError(RunError):
     """A reward function returned something that is not a finite number."""
 
 

@@ -45,7 +45,11 @@ class ResumeError(ValueError):
     """A checkpoint cannot be resumed by this run (other model, adapter or process count)."""
 
 
-class NonFiniteLossError(ValueError):
+class RunError(ValueError):
+    """A run stopped for a reason its message states in full (the CLIs print it alone)."""
+
+
+class NonFiniteLossError(RunError):
     """A step's loss or gradient norm is NaN or infinite: the run stops before that state is saved.
     `step`: the step; `what`: the first metric that is not finite ("loss" or "grad_norm")."""
 
