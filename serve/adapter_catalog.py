@@ -53,6 +53,8 @@ from serve.errors import (AdapterCapacityError, AdapterDirError, AdapterExistsEr
                           AdapterLoadError, RequestError, UnknownAdapterError)
 
 MODES = ("prefill", "all")                     # engine modes (policy.serving_policy)
+LOAD_TRIES = 3                                 # loads of an adapter a request waits on before it fails
+LOAD_RETRY_S = 0.25                            # the pause before the k-th retry: k x this
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 log = logging.getLogger("serve.registry")
 
@@ -212,6 +214,8 @@ class AdapterRef:
     slot: int = 0                               # adapter slot while pinned (0: not pinned)
     pending: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False)
                                                 # the load `resolve` waits on (its failure is this request's)
+    failed_loads: int = 0                       # loads of it that failed for this request (`resolve`)
+    retry_at: float = 0.0                       # time.monotonic() before which no new load is started
 
 
 @dataclasses.dataclass
@@ -580,12 +584,21 @@ class AdapterCatalog:
         if ref.entry is not None:
             return ref.entry
         fut = ref.pending                        # the load this request waits on: its outcome is this
-        if fut is None or fut.cancelled():       # request's, a failure included (a new load per call would
-            fut = ref.pending = self._prepare_any(ref.name)     # never end, and retry a broken folder per step)
-        if not fut.done():                       # (a draining adapter too: this request holds it)
+        if fut is None or fut.cancelled():       # request's (a new load per call never ended, retrying a
+            if time.monotonic() < ref.retry_at:  # broken folder at every engine step)
+                return None
+            fut = ref.pending = self._prepare_any(ref.name)    # (a draining adapter too: this request holds it)
+        if not fut.done():
             return None
         ref.pending = None
-        ref.entry = fut.result()           # raises AdapterLoadError / UnknownAdapterError
+        try:
+            ref.entry = fut.result()             # raises AdapterLoadError / UnknownAdapterError
+        except AdapterLoadError as e:            # a folder caught mid-update may load in a moment: a few
+            ref.failed_loads += 1                # spaced tries, then the request fails with the error
+            if isinstance(e, AdapterFitError) or ref.failed_loads >= LOAD_TRIES:
+                raise
+            ref.retry_at = time.monotonic() + LOAD_RETRY_S * ref.failed_loads
+            return None
         return ref.entry
 
     def occupancy(self) -> dict:

@@ -193,28 +193,42 @@ class Engine:
         return self.submit_many([GenerationRequest(prompt_ids, adapter, sampling, stop, n, events, request_id,
                                                    timeout, group)])[0]
 
-    def submit_many(self, items: Seq) -> list[list[Request]]:
+    def submit_many(self, items: Seq, queue_limit: bool = True) -> list[list[Request]]:
         """Submits several prompts at once, all or nothing: every item (a `GenerationRequest`, or a
         (prompt_ids, adapter, sampling[, stop]) tuple) is validated, its adapter referenced and the
         queue's room checked for all of them before any is queued, so an error (RequestError
         subclasses, as `submit`) leaves nothing queued and nothing started. Returns each item's
         requests (`submit_n`'s list), in order. The items share one lock, one capacity check and
         one wake-up of the loop (what a client with a batch of prompts, `generate` or a server
-        request with several prompts, would otherwise pay per prompt)."""
+        request with several prompts, would otherwise pay per prompt). `queue_limit=False` (the
+        offline `generate`, whose caller steps the engine itself) does not bound the batch by
+        `max_queued`, the server's protection against clients."""
         items = [r if isinstance(r, GenerationRequest) else GenerationRequest(*r) for r in items]
         limits = self.limits
         checked = [check_request(limits, r.prompt_ids, r.sampling, r.stop, r.n, r.timeout, r.events) for r in items]
+        adding = len(items) if queue_limit else 0
         with self._lock:                                  # refuse before taking an adapter reference
-            self._check_capacity_locked(len(items))
+            self._check_capacity_locked(adding)
         refs: list = []
         try:
             for r, (ids, _) in zip(items, checked):
                 refs.extend(self.registry.acquire(r.adapter) for _ in range(r.n))   # raises UnknownAdapterError
                 self._check_invocation(r.adapter, ids)    # also starts loading it now, off the engine thread
-        except RequestError:
+            out = self._queue(items, checked, refs, adding)
+        except BaseException:                             # nothing queued: every reference taken goes back
             for ref in refs:
                 self.registry.release(ref)
             raise
+        total = len(refs)
+        self.metrics.requests_submitted += total
+        self.metrics.by_mode[self.config.mode] += total
+        if not self._wake.is_set():                       # the loop re-checks the inbox after clearing it
+            self._wake.set()
+        return [[seq.req for seq in seqs] for seqs in out]
+
+    def _queue(self, items: list[GenerationRequest], checked: list, refs: list, adding: int) -> list[list[Sequence]]:
+        """`submit_many`'s second half: the items' Requests and Sequences (one per completion, holding
+        `refs` in order), queued under one lock after the capacity check (`adding` prompts)."""
         now = time.monotonic()
         eos = tuple(self.runner.cfg.eos_token_ids)
         unseeded = sum(r.n for r in items if r.sampling.seed is None)
@@ -247,26 +261,16 @@ class Engine:
             seqs[0].forks = seqs[1:]
             firsts.append(seqs[0])
             out.append(seqs)
-        try:
-            with self._lock:
-                self._check_capacity_locked(len(items))
-                self._inbox.extend(firsts)
-                for seqs in out:
-                    for seq in seqs:
-                        self._seqs[seq.req] = seq
-                        if seq.req.deadline is not None:
-                            heapq.heappush(self._deadlines, (seq.req.deadline, next(self._deadline_order),
-                                                             weakref.ref(seq.req)))
-        except RequestError:
-            for ref in refs:
-                self.registry.release(ref)
-            raise
-        total = len(refs)
-        self.metrics.requests_submitted += total
-        self.metrics.by_mode[self.config.mode] += total
-        if not self._wake.is_set():                       # the loop re-checks the inbox after clearing it
-            self._wake.set()
-        return [[seq.req for seq in seqs] for seqs in out]
+        with self._lock:
+            self._check_capacity_locked(adding)
+            self._inbox.extend(firsts)
+            for seqs in out:
+                for seq in seqs:
+                    self._seqs[seq.req] = seq
+                    if seq.req.deadline is not None:
+                        heapq.heappush(self._deadlines, (seq.req.deadline, next(self._deadline_order),
+                                                         weakref.ref(seq.req)))
+        return out
 
     def _check_invocation(self, adapter: str | None, prompt_ids: Seq[int]) -> None:
         """An activated (aLoRA) adapter's prompt must contain its invocation sequence: refused here
@@ -279,9 +283,13 @@ class Engine:
             activation_start(fut.result().policy, prompt_ids, adapter)
 
     def _check_capacity_locked(self, adding: int = 1):
+        """Room in the wait queue for `adding` prompts (0: no bound, only a running engine)."""
         if not self._accepting:
             raise UnavailableError("the engine is shutting down; no new requests are accepted")
         limit = self.config.max_queued
+        if adding > limit:                                # no retry can help: a client error
+            raise RequestError(f"this submission brings {adding} prompts; the request queue holds at most "
+                               f"{limit} (max_queued; the server's --max-queued)", "prompt")
         queued = self.queued
         if queued + adding > limit:
             if adding > 1 and queued + 1 <= limit:
@@ -303,7 +311,7 @@ class Engine:
         row). All or nothing (`submit_many`): a bad request leaves nothing queued."""
         if self._thread is not None:
             raise RuntimeError("engine is running in the background; use submit() + wait()")
-        handles = [req for reqs in self.submit_many(requests) for req in reqs]
+        handles = [req for reqs in self.submit_many(requests, queue_limit=False) for req in reqs]
         outputs = [h.output() for h in handles]
         while any(not h.finished for h in handles):
             self.step()

@@ -189,14 +189,20 @@ def test_submit_many_is_all_or_nothing(model):
     bad_items = [
         ([(prompts[0], "a", _sp(5)), (prompts[1], None, _sp(5)), ([], "a", _sp(5))], RequestError, "prompt is empty"),
         ([(prompts[0], "a", _sp(5)), (prompts[1], "nope", _sp(5))], UnknownAdapterError, "nope"),
-        ([(p, "a", _sp(5)) for p in prompts] + [([1], None, _sp(5))], QueueFullError,
-         r"room for 3 more prompt\(s\) and this submission brings 4"),
+        ([(p, "a", _sp(5)) for p in prompts] + [([1], None, _sp(5))], RequestError,
+         r"this submission brings 4 prompts; the request queue holds at most 3 \(max_queued"),   # never fits: 400
     ]
     for items, error, text in bad_items:
         with pytest.raises(error, match=text):
             eng.submit_many(items)
         assert not eng.busy and eng.queued == 0 and eng.registry.in_use("a") == 0
         assert eng.metrics.requests_submitted == 0
+    first = eng.submit([1], None, _sp(1))
+    with pytest.raises(QueueFullError, match=r"room for 2 more prompt\(s\) and this submission brings 3"):
+        eng.submit_many([(p, "a", _sp(5)) for p in prompts])
+    assert eng.queued == 1 and eng.registry.in_use("a") == 0
+    _run(eng)
+    assert first.result is not None
     reqs = eng.submit_many([GenerationRequest(p, a, _sp(5), request_id=f"r{i}")
                             for i, (p, a) in enumerate(zip(prompts, ("a", None, "a")))])
     assert [len(r) for r in reqs] == [1, 1, 1] and [r[0].request_id for r in reqs] == ["r0", "r1", "r2"]
@@ -209,7 +215,8 @@ def test_submit_many_is_all_or_nothing(model):
     lone = _engine(model)[0]
     pair = lone.submit_n(prompts[1], "a", seeded, n=2)
     _run(lone)
-    out = _engine(model)[0].generate([GenerationRequest(prompts[1], "a", seeded, n=2), (prompts[0], None, _sp(3))])
+    out = _engine(model, max_queued=1)[0].generate([GenerationRequest(prompts[1], "a", seeded, n=2),
+                                                    (prompts[0], None, _sp(3))])   # offline: no queue bound
     assert [r.tokens for r in out] == [pair[0].result.tokens, pair[1].result.tokens, _alone(model, prompts[0], None, 3)]
     assert pair[0].result.tokens != pair[1].result.tokens          # two different samples, in their order
 

@@ -53,6 +53,8 @@ def test_reward_refuses_an_answer_that_is_no_number():
     with pytest.raises(ValueError, match="answer 'forty' is not one"):
         reward("The answer is 40.", "forty")
     check_answers([7, "7", " -1,250 ", 2.5, "3."], "train.jsonl")
+    with pytest.raises(DatasetFormatError, match=r"row 2: answer nan is not a number"):
+        check_answers([7, float("nan")], "train.jsonl")
     with pytest.raises(DatasetFormatError, match=r"train.jsonl: row 3: answer 'x7' is not a number; --reward answer"):
         check_answers([7, "7", "x7", "8"], "train.jsonl")
 

@@ -39,8 +39,8 @@ def _data(n=16, seed=0):
 
 
 def _config(kind, rank=3, steps=3):
-    return SFTConfig(adapter=AdapterSpec(kind=kind, rank=rank, targets=("q", "k", "o", "up"),
-                                         layers=None if kind == "lora" else (0, 2)),
+    where = dict(targets=("q", "k", "o", "up")) if kind == "lora" else dict(layers=(0, 2))
+    return SFTConfig(adapter=AdapterSpec(kind=kind, rank=rank, **where),
                      steps=steps, batch_size=8, optimizer=OptimizerConfig(lr=5e-2),
                      checkpoint=CheckpointConfig(every=2), log_every=0, seq_len=16)
 

@@ -262,8 +262,8 @@ class TrainerConfig(JsonConfig):
                   pad_multiple=self.pad_multiple)
         if self.log_every < 0 or self.eval_every < 0:
             raise ValueError("log_every and eval_every must be >= 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
-            raise ValueError(f"{type(self).__name__}.seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
+            raise ValueError(f"{type(self).__name__}.seed must be an integer in [0, 2**31), got {self.seed!r}")
 
     def adapter_config(self, model_cfg: ModelConfig):
         return self.adapter.build(model_cfg)

@@ -13,6 +13,7 @@ Every example carries a worked target response that ends with the fixed answer f
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import re
 from typing import Sequence
@@ -163,7 +164,7 @@ def answer_number(answer) -> int | float | None:
     if isinstance(answer, bool):
         return None
     if isinstance(answer, (int, float)):
-        return answer
+        return answer if math.isfinite(answer) else None
     return _to_int(answer.strip()) if isinstance(answer, str) and _NUMBER_RE.fullmatch(answer.strip().rstrip(".")) \
         else None
 

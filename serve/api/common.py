@@ -129,7 +129,7 @@ class ApiContext:
             loading = engine.registry.prepare(adapter)       # shared by every request waiting for it:
             try:                                             # shielded, so a request that gives up
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(loading)), timeout)   # cancels no load
-            except TimeoutError:
+            except asyncio.TimeoutError:                    # (TimeoutError from Python 3.11)
                 raise DeadlineExceededError(f"adapter {adapter!r} did not load within this request's deadline "
                                             f"({timeout:g} s); it goes on loading: retry later") from None
         left = None if timeout is None else max(timeout - (time.monotonic() - started), 1e-3)   # one deadline
