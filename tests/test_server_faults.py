@@ -387,10 +387,11 @@ def test_queue_limit_api_key_deadline_and_sigterm(adapter_root, tmp_path):
         assert httpx.get(f"{srv.url}/health").status_code == 200      # probes stay open
         ok = _post(srv, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}, headers=auth)
         assert ok.status_code == 200
-        # two prompts in one request where the queue holds one: refused whole, nothing of it runs
+        # two prompts in one request where the queue holds one: refused whole (400: no retry fits it), none runs
         two = _post(srv, "/v1/completions", {"model": "tiny", "prompt": ["x", "y"], "max_tokens": 2}, headers=auth)
-        _assert_error(two, 429, "queue_full")
-        assert "room for 1 more prompt(s) and this submission brings 2" in two.json()["error"]["message"]
+        _assert_error(two, 400, "prompt")
+        assert two.json()["error"]["message"] == ("this submission brings 2 prompts; the request queue holds at most "
+                                                  "1 (max_queued; the server's --max-queued)")
         assert httpx.get(f"{srv.url}/health").json()["queued"] == 0
         # one running + one queued fill the server: the rest get 429 with Retry-After
         body = {"model": "tiny", "prompt": "q", "max_tokens": 400, "temperature": 0}
