@@ -14,8 +14,9 @@ refuses to start and names the differing fields (results of two configs never mi
 size is a schedule, not part of the config: training is deterministic in the step index (data
 order and rollout keys depend on (seed, step) only), so any chunking gives the same run.
 
-A unit whose loss, gradient norm, KL or reward turns non-finite stops there and is recorded as
-"diverged at step k"; the report lists it, it is not dropped.
+A unit whose loss, gradient norm or KL turns non-finite stops there and is recorded as
+"diverged at step k"; the report lists it, it is not dropped. (A reward function that returns a
+non-finite value is an error of the reward, `train.grpo.RewardError`, not a divergence.)
 """
 from __future__ import annotations
 
@@ -46,11 +47,13 @@ class Diverged(RuntimeError):
         self.step, self.what = step, what
 
 
-_FINITE_KEYS = ("loss", "grad_norm", "kl", "reward_mean")
+_FINITE_KEYS = ("kl",)    # the trainer stops at a non-finite loss or gradient norm itself (NonFiniteLossError,
+                          # before the callbacks) and GRPO refuses a non-finite reward (RewardError)
 
 
 def nan_guard(row: dict, state) -> None:
-    """Trainer callback: stop a unit at the first step with a non-finite metric."""
+    """Trainer callback: stop a unit at the first step whose KL is not finite (with kl_coef 0 it is
+    not in the loss, so the trainer's own check does not see it)."""
     for k in _FINITE_KEYS:
         if k in row and not math.isfinite(row[k]):
             raise Diverged(row["step"], k)

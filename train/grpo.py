@@ -57,7 +57,7 @@ from preft_jax.sampling import SamplingParams
 from train import distributed as dist
 from train.common import TrainState, adapted_logprobs
 from train.config import OptimizerConfig, TrainerConfig, check_finite
-from train.data import bucket, pad_batch
+from train.data import DatasetFormatError, bucket, pad_batch
 from train.trainer import Callback, RunError, Trainer
 
 log = logging.getLogger("train.grpo")
@@ -336,7 +336,6 @@ def check_answers(answers: Sequence, where) -> None:
     """The "answer" reward compares a completion's final number with each row's answer: every answer
     must be a number or a string of one (`train.tasks.answer_number`), else a DatasetFormatError
     naming the row (it would score 0 for every completion, and train nothing, silently)."""
-    from train.data import DatasetFormatError
     from train.tasks import answer_number
     for i, ans in enumerate(answers):
         if answer_number(ans) is None:
