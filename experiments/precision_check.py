@@ -23,7 +23,7 @@ def main(argv=None):
     from preft_jax.generation import ModelRunner
     from preft_jax.loading import load_model
     from preft_jax.model import Llama
-    from train.data import load_split, tokenize_dataset, write_dataset
+    from train.data import load_split, split_path, tokenize_dataset, write_dataset
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
@@ -37,7 +37,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
-    if not (pathlib.Path(a.data) / "train.jsonl").is_file():
+    if not split_path(a.data, "train").is_file():
         write_dataset(a.data, 128, 8, 0)
     cfg, params, tok = load_model(a.model)
     data = tokenize_dataset(tok, load_split(a.data, "train"), max_len=a.seq_len)

@@ -48,6 +48,11 @@ class DatasetFormatError(ValueError):
 
 
 # ------------------------------------------------------------------------------------ on disk
+def split_path(folder: str | os.PathLike, split: str) -> pathlib.Path:
+    """Where a dataset folder holds one split's rows: ``<folder>/<split>.jsonl``."""
+    return pathlib.Path(folder) / f"{split}.jsonl"
+
+
 def write_dataset(folder: str | os.PathLike, n_train: int, n_eval: int, seed: int = 0,
                   tasks: Sequence[str] = TASKS, max_ops: int = 3) -> dict[str, str]:
     """Writes train.jsonl and eval.jsonl; returns {split: path}. Deterministic per (sizes, seed, tasks)."""
@@ -66,7 +71,7 @@ def write_dataset(folder: str | os.PathLike, n_train: int, n_eval: int, seed: in
             raise ValueError(f"could not draw {n_eval} eval examples distinct from the train set")
     paths = {}
     for split, rows in (("train", train), ("eval", evals)):
-        path = folder / f"{split}.jsonl"
+        path = split_path(folder, split)
         with open(path, "w", encoding="utf-8") as f:
             for e in rows:
                 f.write(json.dumps(e.to_json()) + "\n")
@@ -96,7 +101,7 @@ def prepare_dataset(folder: str | os.PathLike, params: dict, given: dict[str, st
       generation flags were given, since they cannot apply.
     """
     folder = pathlib.Path(folder)
-    if not (folder / "train.jsonl").is_file():
+    if not split_path(folder, "train").is_file():
         write_dataset(folder, **params)
         return f"generated the dataset in {folder} ({_describe(params)})"
     try:
@@ -170,7 +175,7 @@ def load_split(folder: str | os.PathLike, split: str = "train", cache_dir: str |
     eval split is an empty list (no evaluation: `--n-eval 0`); an empty train split is an error."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    path = pathlib.Path(folder) / f"{split}.jsonl"
+    path = split_path(folder, split)
     if not path.is_file():
         raise FileNotFoundError(f"no {path}; create the dataset with train.data.write_dataset")
     if not check_jsonl(path, fields):

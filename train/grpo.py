@@ -57,7 +57,7 @@ from preft_jax.sampling import SamplingParams
 from train import distributed as dist
 from train.common import TrainState, adapted_logprobs
 from train.config import OptimizerConfig, TrainerConfig, check_finite
-from train.data import DatasetFormatError, bucket, pad_batch
+from train.data import DatasetFormatError, bucket, pad_batch, split_path
 from train.trainer import Callback, RunError, Trainer
 
 log = logging.getLogger("train.grpo")
@@ -397,7 +397,7 @@ def run(argv=None, prog: str = "python -m train.grpo") -> dict | None:
     rows = load_split(data, "train", fields=("question", "answer"))   # a bad file fails before the model loads
     answers = [r["answer"] for r in rows]
     if a.reward == "answer":
-        check_answers(answers, pathlib.Path(data) / "train.jsonl")
+        check_answers(answers, split_path(data, "train"))
     cfg, runner, tok = cli.load_base(opts, mesh)                    # weights streamed into the mesh
     reward_fn = load_reward(a.reward, tok)
     prompts = [encode_prompt(tok, r["question"]) for r in rows]
