@@ -124,8 +124,9 @@ def _threshold_from(desc, lse, top_p, top_k):
     the kept set (nucleus and top-k) lies inside them."""
     probs = jnp.exp(desc - lse)
     cum = jnp.cumsum(probs, axis=-1)
-    keep = (cum - probs) < top_p[:, None]                         # always keeps the top token
     ranks = jnp.arange(desc.shape[-1])[None, :]
+    # the top token always stays, also for a top_p that float32 holds as 0 (below ~1e-38)
+    keep = ((cum - probs) < top_p[:, None]) | (ranks == 0)
     keep = keep & ((top_k[:, None] <= 0) | (ranks < top_k[:, None]))
     threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)
     fits = ((top_k > 0) & (top_k <= desc.shape[-1])) | (cum[:, -1] >= top_p)

@@ -51,14 +51,8 @@ class IncrementalDetokenizer:
                 self.read_offset = len(self.ids)
                 start = max(0, len(self.text) - self.hold)
                 self.text += new
-                if self.stop:
-                    hit = min((j for j in (self.text.find(s, start) for s in self.stop) if j >= 0), default=-1)
-                    if hit >= 0:
-                        self.text = self.text[:hit]
-                        self.stopped = True
-                        out = self.text[self.emitted:]
-                        self.emitted = len(self.text)
-                        return DetokenizerOutput(out, True, len(self.ids))
+                if self._cut_at_stop(start):
+                    return DetokenizerOutput(self._take(), True, len(self.ids))
         safe = len(self.text) - self.hold
         out = ""
         if safe > self.emitted:
@@ -66,13 +60,33 @@ class IncrementalDetokenizer:
             self.emitted = safe
         return DetokenizerOutput(out, False, len(self.ids))
 
-    def flush(self) -> str:
-        """The held-back text at the end of generation (a dangling partial character included)."""
+    def flush(self) -> DetokenizerOutput:
+        """The held-back text at the end of generation (a dangling partial character included), cut
+        before a stop string it completes: `stopped` says so (every token is consumed either way)."""
         if not self.stopped and self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
+            start = max(0, len(self.text) - self.hold)
             self.text += full[len(prefix):]
             self.read_offset = len(self.ids)
+            if self._cut_at_stop(start):
+                return DetokenizerOutput(self._take(), True, len(self.ids))
+        return DetokenizerOutput(self._take(), False, len(self.ids))
+
+    def _cut_at_stop(self, start: int) -> bool:
+        """Cuts `text` before the first stop string found from character `start` (where the text
+        could first hold one it did not before); True when one was found."""
+        if not self.stop:
+            return False
+        hit = min((j for j in (self.text.find(s, start) for s in self.stop) if j >= 0), default=-1)
+        if hit < 0:
+            return False
+        self.text = self.text[:hit]
+        self.stopped = True
+        return True
+
+    def _take(self) -> str:
+        """All of `text` not yet returned."""
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out

@@ -132,7 +132,8 @@ class Engine:
             config.mode, config.starvation_s), self.pool, registry)
         self._seqs: dict[Request, Sequence] = {}
         self._inbox: deque[Sequence] = deque()
-        self._cancelled: deque[Request] = deque()   # `cancel`led, not yet ended (the next step's sweep)
+        self._cancelled: deque[tuple[Request, str]] = deque()   # (request, reason) ended early (`cancel`, a
+                                                                 # stop string), not yet ended (the next step's sweep)
         self._deadlines: list[tuple[float, int, weakref.ref]] = []   # a heap: (deadline, order, request); weak:
                                                  # a finished request is not kept alive until its deadline
         self._deadline_order = itertools.count()
@@ -245,7 +246,7 @@ class Engine:
             seqs = []
             for i in range(n):
                 req = Request(rid if n == 1 else f"{rid}-{i}", ids, r.adapter, sampling, stop_ids, stop,
-                              next(refs_left), deadline=deadline, tokenizer=self.tokenizer, on_stop=self.cancel,
+                              next(refs_left), deadline=deadline, tokenizer=self.tokenizer, on_stop=self._end_at_stop_string,
                               group=r.group or rid, submitted_at=now)
                 if sampling.seed is not None:
                     req.key_data = seed_key_data(sampling.seed, i)
@@ -299,10 +300,18 @@ class Engine:
 
     def cancel(self, req: Request) -> None:
         """Stops a queued or running request at the next step (finish_reason "cancelled")."""
+        self._end_early(req, "cancelled")
+
+    def _end_at_stop_string(self, req: Request) -> None:
+        """The consumer found a stop string in the request's text (serve/output.py): the engine stops
+        generating for it at the next step and counts it as finished by "stop", as the client sees it."""
+        self._end_early(req, "stop")
+
+    def _end_early(self, req: Request, reason: str) -> None:
         req.cancelled = True
         with self._lock:
             self._endings += 1
-        self._cancelled.append(req)
+        self._cancelled.append((req, reason))
         self._wake.set()
 
     def generate(self, requests: Seq) -> list[Result]:
@@ -446,9 +455,9 @@ class Engine:
         """Ends cancelled and expired requests, queued or running: the ones `cancel` named since the
         last sweep, and those at the top of the deadline heap (no per-request work per step)."""
         while self._cancelled:
-            req = self._cancelled.popleft()
+            req, reason = self._cancelled.popleft()
             if not req.finished and req in self._seqs:
-                self._terminate(req, "cancelled")
+                self._terminate(req, reason)
         now, expired = time.monotonic(), []
         with self._lock:                                    # submit threads push
             heap = self._deadlines

@@ -98,9 +98,12 @@ class RequestOutput:
                 return events + [self._finish("stop")]
             return [("delta", (ids, out.text))]
         if kind == "finished":
-            tail = "" if self.detok is None else self.detok.flush()
-            events = [("delta", ([], tail))] if tail else []
-            return events + [self._finish(payload, stop_token=payload == "stop")]   # the engine's "stop": a token
+            # the engine's "stop" is a stop token; a stop string completed by text held back until
+            # now (a partial character at the end) ends the request as "stop" too
+            tail = None if self.detok is None else self.detok.flush()
+            events = [("delta", ([], tail.text))] if tail is not None and tail.text else []
+            reason = "stop" if tail is not None and tail.stopped else payload
+            return events + [self._finish(reason, stop_token=payload == "stop")]
         if kind == "error":
             self.done = True
             return [("error", payload)]

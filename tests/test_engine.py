@@ -217,6 +217,31 @@ def test_background_loop_streams_and_cancels(runner, ref_banks):
         eng.shutdown()
 
 
+def test_stop_string_ends_as_stop_in_the_engine_metrics(runner):
+    """A request its consumer ends at a stop string is counted as finished by "stop" (what the client
+    is told), not "cancelled"; a cancelled one still counts as "cancelled"."""
+    tok = ByteTokenizer()
+    eng = _engine(runner, "prefill", tokenizer=tok)
+    sp = SamplingParams(max_new_tokens=12, stop_token_ids=NO_STOP)
+    prompt = [5, 9, 17, 33]
+    full = eng.generate([(prompt, None, sp)])[0]
+    at = next(i for i, t in enumerate(full.tokens) if i >= 2 and 32 <= t < 127)   # an ASCII character
+    stop = chr(full.tokens[at])
+    want = tok.decode(full.tokens)
+    before = dict(eng.metrics.requests_finished)
+    cut = eng.generate([(prompt, None, sp, (stop,))])[0]
+    assert cut.finish_reason == "stop" and cut.text == want[:want.index(stop)]
+    after = eng.metrics.requests_finished
+    assert after["stop"] - before.get("stop", 0) == 1 and after["cancelled"] == before.get("cancelled", 0)
+    req = eng.submit(prompt, None, sp)
+    eng.cancel(req)
+    while not req.finished:
+        eng.step()
+    assert eng.metrics.requests_finished["cancelled"] == before.get("cancelled", 0) + 1
+    assert eng.pool.num_available == eng.pool.capacity
+    eng.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_real_model_stop_strings_and_text(default_model):

@@ -60,6 +60,25 @@ def test_mixed_rows_and_the_sort_fallback(monkeypatch):
     assert len(set(draws[:, 2])) > 10                        # plain sampling row explores the vocab
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+def test_top_p_below_float32_range_keeps_the_top_token(monkeypatch, fallback):
+    """A top_p that SamplingParams accepts (a float64 in (0, 1]) but float32 holds as 0 (1e-40, 1e-300)
+    keeps the top token, as any tiny nucleus does: the draw is the argmax (the float64 reference
+    keeps one token), never the all-masked row's token 0. A batch mate is unaffected."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0, 1.0, (3, 64)).astype(np.float32)
+    logits[:, 0] = -5.0                                      # token 0 is never the argmax
+    if fallback:
+        monkeypatch.setattr(sampling, "CANDIDATES", 1)       # the full-sort path
+    for p in (1e-40, 1e-300, 1e-7):
+        assert np.flatnonzero(_reference_probs(logits[0], 1.0, p, 0) > 0).tolist() == [int(logits[0].argmax())]
+        top_p = jnp.asarray([p, p, 1.0])
+        f = jax.jit(lambda k: sample(jnp.asarray(logits), k, jnp.ones(3), top_p, jnp.zeros(3, jnp.int32)))
+        draws = np.stack([np.asarray(f(jax.random.key(i))) for i in range(20)])
+        assert np.all(draws[:, :2] == logits[:2].argmax(-1)), (p, draws[:3])
+        assert len(set(draws[:, 2])) > 3                     # the plain row still samples
+
+
 def test_greedy_batch_is_argmax_and_keys_matter():
     logits = jax.random.normal(jax.random.key(0), (5, 100))
     z = jnp.zeros(5)
