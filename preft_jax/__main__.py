@@ -52,7 +52,10 @@ def main(argv=None, prog: str = "python -m preft_jax") -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ids = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
+    if args.raw:       # as HF's tokenizer(text): BOS first where the tokenizer adds one
+        ids = tok.encode(args.prompt, add_bos=tok.add_bos_default)
+    else:
+        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_tokens,
                               stop_token_ids=tuple(tok.eos_token_ids))
     try:

@@ -465,8 +465,14 @@ class Tokenizer:
         pad = tid("pad_token")
         if pad is None:
             pad = next(iter(_as_id_list(mcfg.get("pad_token_id"))), None)
-        # The post-processor may add BOS; we add BOS explicitly instead (encode(add_bos=...)).
-        add_bos = bool(tcfg.get("add_bos_token", False))
+        # The post-processor may add BOS; we add BOS explicitly instead (encode(add_bos=...)), where
+        # HF's tokenizer(text) would: tokenizer_config's add_bos_token, else what the post-processor
+        # does (Llama-3's tokenizer.json prepends <|begin_of_text|> there and says nothing in the config)
+        if "add_bos_token" in tcfg:
+            add_bos = bool(tcfg["add_bos_token"])
+        else:
+            probe = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos is not None and probe[:1] == [bos] and backend.encode("a", add_special_tokens=False).ids[:1] != [bos]
         return cls(backend, bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad,
                    unk_token_id=tid("unk_token"), chat_template=template, add_bos_default=add_bos)
 

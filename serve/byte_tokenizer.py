@@ -11,6 +11,7 @@ from typing import Iterable
 class ByteTokenizer:
     vocab_size = 256
     chat_template = "byte-chat"
+    add_bos_default = False          # a text prompt gets no BOS (as `Tokenizer.add_bos_default`)
 
     def __init__(self, bos_token_id: int = 1, eos_token_ids: tuple[int, ...] = (2,)):
         self.bos_token_id = bos_token_id
@@ -33,8 +34,11 @@ class ByteTokenizer:
     def token_bytes(self, i: int) -> bytes:
         return bytes([int(i)])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **_) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **_) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if continue_final_message:              # the last message left open, to be continued
+            return text[:-1]
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:

@@ -67,8 +67,11 @@ def legacy(tt: TokenText, ids, entries, offsets) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": list(offsets)}
 
 
-def text_offsets(tokenizer, ids, start: int = 0, prefix=()) -> list[int]:
+def text_offsets(tokenizer, ids, start: int = 0, prefix=(), skip_special_tokens: bool = True) -> list[int]:
     """Character offset where each of `ids` starts in a text `start` characters long before the
-    text of `prefix` (tokens already sent): start + len(decode(prefix + ids[:i]))."""
+    text of `prefix` (tokens already sent): start + len(decode(prefix + ids[:i])). Generated text
+    leaves special tokens out (the default); an echoed prompt's text holds them
+    (`skip_special_tokens=False`)."""
     prefix, ids = list(prefix), list(ids)
-    return [start + (len(tokenizer.decode(prefix + ids[:k])) if prefix or k else 0) for k in range(len(ids))]
+    return [start + (len(tokenizer.decode(prefix + ids[:k], skip_special_tokens=skip_special_tokens))
+                     if prefix or k else 0) for k in range(len(ids))]

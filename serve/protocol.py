@@ -53,6 +53,9 @@ UNSUPPORTED = {
     "bad_words": ((None, []), "absent"),
     "logits_processors": ((None, []), "absent"),
     "truncate_prompt_tokens": ((None,), "absent"),
+    "return_tokens_as_token_ids": ((None, False), "false"),
+    "chat_template": ((None,), "absent; the model's own chat template is used"),
+    "chat_template_kwargs": ((None, {}), "absent"),
 }
 
 
@@ -244,8 +247,15 @@ def common_checks(body: dict) -> None:
         raise BadRequest("'stream_options.continuous_usage_stats' is not supported", "stream_options")
     for key, (neutral, what) in UNSUPPORTED.items():
         v = body.get(key)
-        if not any(v == x and type(v) is type(x) for x in neutral):
+        if not any(_same_value(v, x) for x in neutral):
             raise BadRequest(f"'{key}' is not supported (must be {what})", key)
+
+
+def _same_value(v, x) -> bool:
+    """v == x as JSON values: 0 and 0.0 are the same number, a boolean is not a number."""
+    if isinstance(v, (int, float)) and isinstance(x, (int, float)):
+        return isinstance(v, bool) == isinstance(x, bool) and v == x
+    return type(v) is type(x) and v == x
 
 
 def max_tokens(body: dict, keys: tuple[str, ...], default: int, prompt_len: int, max_len: int) -> int:
@@ -280,20 +290,18 @@ def in_body_words(e: RequestError, words: dict[str, tuple[str, str]]) -> Request
 
 
 def completion_prompts(body: dict) -> list[str | list[int]]:
-    """`prompt`: a string, a list of token ids, or a list of those (at most MAX_PROMPTS)."""
+    """`prompt`: a string, a list of token ids, or a list of those (at most MAX_PROMPTS); deeper
+    nesting ([[[ids]]], [["text"]]) is refused, as OpenAI and vLLM do."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise BadRequest(f"'prompt' takes at most {MAX_PROMPTS} prompts per request", "prompt")
-        return [completion_prompt({"prompt": p}) for p in prompt]
-    return [completion_prompt(body)]
+        return [_one_prompt(p) for p in prompt]
+    return [_one_prompt(prompt)]
 
 
-def completion_prompt(body: dict) -> str | list[int]:
+def _one_prompt(prompt) -> str | list[int]:
     """A string, or a list of token ids (ids range-checked by serve/validation.py)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]               # a batch of one prompt
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
@@ -302,7 +310,8 @@ def completion_prompt(body: dict) -> str | list[int]:
         return list(prompt)
     if prompt is None:
         raise BadRequest("'prompt' is a required field", "prompt")
-    raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+    raise BadRequest("'prompt' must be a non-empty string, a non-empty list of token ids, or a list of "
+                     "those", "prompt")
 
 
 def chat_messages(body: dict) -> list[dict]:

@@ -15,7 +15,7 @@ from preft_jax.sampling import SamplingParams
 from reference_llama import random_params, reference_logits
 from serve.byte_tokenizer import ByteTokenizer
 from serve.engine import Engine, EngineConfig, GenerationRequest
-from serve.errors import (AdapterCapacityError, AdapterExistsError, AdapterInUseError, AdapterLoadError,
+from serve.errors import (AdapterExistsError, AdapterInUseError, AdapterLoadError,
                           PromptTooLongError, RequestError, UnknownAdapterError)
 from serve.registry import AdapterRegistry
 

@@ -107,6 +107,9 @@ def test_tokenizer_and_chat_template_match_transformers(family, name, tmp_path):
     for text in ("Numbers 1234567 and   spaces\n\nnew", "Ünïcödé 🙂", "<|im_start|>x<|eot_id|>"):
         assert f["tok"].encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"]
         assert f["tok"].decode(f["tok"].encode(text), skip_special_tokens=False) == text
+        for tok in (f["tok"], ours_resaved):             # a raw prompt as HF's tokenizer(text): Llama-3's BOS
+            assert tok.encode(text, add_bos=tok.add_bos_default) == hf_tok(text)["input_ids"]
+    assert f["tok"].add_bos_default == (name == "llama3")
     assert hf_tok.eos_token_id in f["tok"].eos_token_ids
     if name == "llama3":                                  # the template writes BOS itself: no double BOS
         ids = f["tok"].encode_chat(convos[0])

@@ -14,12 +14,30 @@ CHAT_TEMPLATE_OVERHEAD_TOKENS = 256     # room the pre-check leaves for the temp
 router = APIRouter()
 
 
-def _encoder(tokenizer):
+def _encoder(tokenizer, add_generation_prompt: bool, continue_final_message: bool):
     def encode_chat(msgs):
+        kw = {"continue_final_message": True} if continue_final_message else {}
         if hasattr(tokenizer, "encode_chat"):
-            return tokenizer.encode_chat(msgs, add_generation_prompt=True)
-        return tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+            return tokenizer.encode_chat(msgs, add_generation_prompt=add_generation_prompt, **kw)
+        return tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kw))
     return encode_chat
+
+
+def _template_flags(body: dict, msgs: list[dict]) -> tuple[bool, bool]:
+    """vLLM's `add_generation_prompt` (default true) and `continue_final_message` (default false: the
+    answer continues the last message, an assistant turn the client began)."""
+    if protocol.get(body, "add_special_tokens", bool, False):
+        raise protocol.BadRequest("'add_special_tokens' must be false on /v1/chat/completions: the chat template "
+                                  "writes the special tokens", "add_special_tokens")
+    add = protocol.get(body, "add_generation_prompt", bool, True)
+    cont = protocol.get(body, "continue_final_message", bool, False)
+    if add and cont:
+        raise protocol.BadRequest("'continue_final_message' continues the last message, so it needs "
+                                  "'add_generation_prompt': false", "continue_final_message")
+    if cont and msgs[-1]["role"] != "assistant":
+        raise protocol.BadRequest("'continue_final_message' needs the last message to be an assistant turn, "
+                                  f"got role {msgs[-1]['role']!r}", "continue_final_message")
+    return add, cont
 
 
 @router.post("/v1/chat/completions")
@@ -33,7 +51,7 @@ async def chat_completions(request: Request):
     msgs = protocol.chat_messages(body)
     ctx.precheck(sum(len(m["content"].encode("utf-8")) for m in msgs), "the conversation",
                  CHAT_TEMPLATE_OVERHEAD_TOKENS)
-    prompt_ids = await ctx.tokenize(_encoder(ctx.tokenizer), msgs)
+    prompt_ids = await ctx.tokenize(_encoder(ctx.tokenizer, *_template_flags(body, msgs)), msgs)
     max_tokens = protocol.max_tokens(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS,
                                      len(prompt_ids), ctx.max_len)
     sp = protocol.sampling(body, max_tokens, ctx.default_stop, logprobs=k_lp, chat=True)

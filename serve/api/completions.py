@@ -27,21 +27,26 @@ async def completions(request: Request):
     n = protocol.n_choices(body, len(raw_prompts))
     k_lp = protocol.completion_logprobs(body)
     stop = protocol.stop_strings(body)
+    # vLLM's add_special_tokens (default true): a text prompt gets the BOS HF's tokenizer(text) gives it
+    bos = protocol.get(body, "add_special_tokens", bool, True) and getattr(ctx.tokenizer, "add_bos_default", False)
     tokenizer = ctx.tokenizer
-    prompts, prompt_texts, sps = [], [], []
+    prompts, prompt_texts, added, sps = [], [], [], []
     for prompt in raw_prompts:
         if isinstance(prompt, str):
             ctx.precheck(len(prompt.encode("utf-8")), "prompt")
-            ids = await ctx.tokenize(tokenizer.encode, prompt)
+            ids = await ctx.tokenize(tokenizer.encode, prompt, bos)
         else:
             ids = validation.prompt_ids(prompt, ctx.vocab)     # before any echo decodes them
         prompts.append(ids)
-        prompt_texts.append(prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if echo else ""))
+        added.append(int(isinstance(prompt, str) and bos))
+        # echo repeats a text prompt as sent, and token ids as their text with special tokens (vLLM)
+        prompt_texts.append(prompt if isinstance(prompt, str) else
+                            (tokenizer.decode(ids, skip_special_tokens=False) if echo else ""))
         max_tokens = 1 if score_only else protocol.max_tokens(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS,
                                                               len(ids), ctx.max_len)
         sps.append(protocol.sampling(body, max_tokens, ctx.default_stop, logprobs=k_lp,
                                      prompt_logprobs=k_lp if echo else None))
     reqs, sink = await ctx.submit(request, prompts, adapter, sps, stop, n)
     fmt = CompletionFormat(body["model"], tokenizer, ctx.token_text, prompts, prompt_texts, n, echo, k_lp,
-                           score_only)
+                           score_only, added)
     return await ctx.respond(request, reqs, sink, fmt, body)

@@ -51,11 +51,12 @@ class CompletionFormat:
     generated to get there is left out)."""
 
     def __init__(self, model: str, tokenizer, token_text: logprobs_fmt.TokenText, prompts, prompt_texts,
-                 n: int, echo: bool, k_lp: int | None, score_only: bool = False):
+                 n: int, echo: bool, k_lp: int | None, score_only: bool = False, added: list[int] | None = None):
         self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
         self.tokenizer, self.token_text = tokenizer, token_text
         self.prompts, self.prompt_texts, self.n, self.echo, self.k_lp = prompts, prompt_texts, n, echo, k_lp
         self.score_only = score_only
+        self.added = added or [0] * len(prompts)      # per prompt: leading ids not in its text (an added BOS)
         self._sent: dict[int, list[int]] = {}          # ids streamed per choice
         self._echoed: set[int] = set()
 
@@ -77,8 +78,9 @@ class CompletionFormat:
         if self.k_lp is None:
             return text, None
         entries = out.prompt_logprobs or [None] * len(self.prompts[i])
-        return text, logprobs_fmt.legacy(self.token_text, self.prompts[i], entries,
-                                         logprobs_fmt.text_offsets(self.tokenizer, self.prompts[i]))
+        a = self.added[i]             # the echoed text holds the prompt's special tokens, not an added BOS
+        offsets = [0] * a + logprobs_fmt.text_offsets(self.tokenizer, self.prompts[i][a:], skip_special_tokens=False)
+        return text, logprobs_fmt.legacy(self.token_text, self.prompts[i], entries, offsets)
 
     def _finish(self, result) -> str:
         return "length" if self.score_only else result.finish_reason
