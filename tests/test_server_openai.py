@@ -266,7 +266,8 @@ def test_extensions_that_change_the_output_are_refused_unless_neutral(server):
                "prompt_logprobs": 1, "guided_json": {"type": "object"}, "guided_regex": "a+",
                "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "structured_outputs": {"json": {}},
                "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["f"],
-               "truncate_prompt_tokens": 4}
+               "truncate_prompt_tokens": 4, "return_tokens_as_token_ids": True, "chat_template": "{{ messages }}",
+               "chat_template_kwargs": {"enable_thinking": False}}
     assert set(changed) == set(UNSUPPORTED)
     for key, value in changed.items():
         message, param = _error(server, "/v1/completions", {"model": "tiny", "prompt": "x", key: value})
@@ -275,7 +276,7 @@ def test_extensions_that_change_the_output_are_refused_unless_neutral(server):
         ("'min_tokens' is not supported (must be 0)", "min_tokens")
     neutral = {"min_tokens": 0, "min_p": 0.0, "repetition_penalty": 1, "length_penalty": 1.0,
                "use_beam_search": False, "include_stop_str_in_output": False, "skip_special_tokens": True,
-               "bad_words": []}
+               "bad_words": [], "return_tokens_as_token_ids": False, "chat_template_kwargs": {}}
     base = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
     assert _body(server, "/v1/completions", dict(base, **neutral))["choices"] == \
         _body(server, "/v1/completions", base)["choices"]

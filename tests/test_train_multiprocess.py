@@ -46,16 +46,18 @@ def _env():
     return env
 
 
-def launch(module, args, n_procs, devices, logs: pathlib.Path, timeout=240, process_ids=None):
+def launch(module, args, n_procs, devices, logs: pathlib.Path, timeout=240, process_ids=None, extra=None):
     """Runs `python -m module args` as n_procs processes (jax.distributed when > 1); returns
-    [(returncode, output)]. Every process is killed if any is still running at the deadline."""
+    [(returncode, output)]. Every process is killed if any is still running at the deadline.
+    extra: {process id: more args for that process alone}."""
     logs.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     ids = list(range(n_procs)) if process_ids is None else process_ids
     procs, files = [], []
     try:
         for i in ids:
-            cmd = [sys.executable, "-m", module, *map(str, args), "--local-device-count", str(devices)]
+            cmd = [sys.executable, "-m", module, *map(str, args), *map(str, (extra or {}).get(i, ())),
+                   "--local-device-count", str(devices)]
             if n_procs > 1 or process_ids is not None:
                 cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n_procs), "--process-id", str(i)]
             f = open(logs / f"p{i}-{time.monotonic_ns()}.log", "w+")
@@ -194,3 +196,26 @@ def test_launch_errors_are_clear_and_write_nothing(world):
     for rc, text in res:
         assert rc == 2 and "must use all of them" in text, text[-2000:]
     assert not out.exists()
+
+
+def test_a_process_that_stops_stops_the_others_with_one_line(world):
+    """A refusal only process 0 finds (its dataset check) ends every process with an `error:` line and
+    status 2 (not a barrier timeout's traceback); a process killed mid-run ends the others at their
+    next collective with one line and status 1 (not the shutdown barrier's wait and SIGABRT)."""
+    m = ["--model", world / "model", "--data", world / "sft_data"]
+    out = world / "mismatch"
+    res = launch("train.sft", m + SFT + ["--out", out, "--n-train", 40], 2, 2, world / "logs", timeout=150)
+    for i, (rc, text) in enumerate(res):
+        assert rc == 2 and "Traceback" not in text, (i, text[-3000:])
+        assert "holds a dataset generated with other parameters: n_train=16 (this run: 40" in text, text[-2000:]
+    assert "error: process 0 stopped while preparing the dataset: --data" in res[1][1], res[1][1][-2000:]
+
+    out = world / "lost"
+    res = launch("train.sft", m + SFT + ["--out", out, "--steps", 40], 2, 2, world / "logs", timeout=150,
+                 extra={1: ["--fault-after-step", 1]})
+    (rc0, text0), (rc1, _) = res
+    assert rc1 == -9                                              # killed itself after checkpoint 1
+    assert rc0 == 1, text0[-3000:]
+    assert "error: process 0 lost contact with another process of this run" in text0, text0[-3000:]
+    assert "Check failure" not in text0 and "Traceback" not in text0, text0[-3000:]
+    assert _steps(out)[:1] == [1] and not (out / "adapter").exists()

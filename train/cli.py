@@ -28,6 +28,7 @@ import os
 import pathlib
 import signal
 import sys
+import traceback
 
 from train import distributed as dist
 from train.config import (ADAPTERS, BACKENDS, DTYPES, MODES, QUANT_MODES, AdapterSpec, CheckpointConfig,
@@ -144,14 +145,15 @@ def check_run_folder(out: str | os.PathLike) -> pathlib.Path:
 
 def prepare_data(a, params: dict, given: dict) -> pathlib.Path:
     """Checks the run folder (`check_run_folder`), generates or checks the run's dataset on process 0
-    (train.data.prepare_dataset, one log line), then waits for it everywhere. DatasetMismatchError
-    (exit 2) when it does not fit the flags."""
+    (train.data.prepare_dataset, one log line), then waits for it everywhere (`dist.on_primary`: a
+    refusal there stops every process with its line). DatasetMismatchError (exit 2) when it does not
+    fit the flags."""
     from train.data import prepare_dataset
     check_run_folder(a.out)
     folder = data_dir(a)
-    if dist.is_primary():
-        log.info("%s", prepare_dataset(folder, params, given))
-    dist.barrier("data")
+    said = dist.on_primary(lambda: prepare_dataset(folder, params, given), "preparing the dataset")
+    if said is not None:
+        log.info("%s", said)
     return folder
 
 
@@ -258,6 +260,7 @@ def main_guard(fn, argv=None, exiting: bool = False) -> int:
     from train.checkpoint import CheckpointReadError
     from train.data import DatasetFormatError, DatasetMismatchError
     from train.trainer import ResumeError, RunError
+    graceful = True
     try:
         fn(argv)
     except (dist.DistributedError, ResumeError, ValueError, OSError) as e:
@@ -271,6 +274,22 @@ def main_guard(fn, argv=None, exiting: bool = False) -> int:
         else:
             print(line, file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        # in a multi-process run, an unexpected error is told before anything waits on the other
+        # processes: jax.distributed's shutdown barrier would wait for a peer that is gone (or stuck
+        # in a collective this process left) until its heartbeat times out, then abort the process
+        if not dist.multi_process():
+            raise
+        graceful = False
+        lost = dist.lost_peer(e)                 # another process of the run is gone: one line
+        if lost is not None and not os.environ.get("PREFT_TRACEBACK"):
+            print(f"error: {lost}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+        if exiting:
+            dist.abandon(1)
+        return 1
     finally:
-        dist.shutdown()
+        if graceful:
+            dist.shutdown()
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import time
 from typing import Mapping
 
@@ -168,6 +169,11 @@ def initialize(cfg: DistributedConfig) -> None:
                                initialization_timeout=cfg.initialization_timeout)
 
 
+def multi_process() -> bool:
+    """This process is one of several of a jax.distributed run."""
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
 def shutdown() -> None:
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()
@@ -249,6 +255,69 @@ def global_max(value: int) -> int:
         return int(value)
     from jax.experimental import multihost_utils
     return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int32))))
+
+
+def on_primary(fn, what: str):
+    """fn() on process 0 only, its outcome shared in one collective: every process goes on, or every
+    process raises - process 0 its own error, the others a DistributedError quoting it - so no process
+    is left in a barrier waiting for one that stopped (each prints its one `error:` line). Returns
+    fn()'s value on process 0, None elsewhere; just fn() in a single process."""
+    if jax.process_count() == 1:
+        return fn()
+    err, value = None, None
+    if is_primary():
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - shared below, then raised as it was
+            err = e
+    said = _from_primary(b"" if err is None else str(err).encode("utf-8", "replace")[:8000])
+    if err is not None:
+        raise err
+    if said:
+        raise DistributedError(f"process 0 stopped while {what}: {said.decode('utf-8', 'replace')}")
+    return value
+
+
+def _from_primary(data: bytes) -> bytes:
+    """Process 0's bytes on every process (a collective: every process calls it)."""
+    from jax.experimental import multihost_utils
+    n = int(multihost_utils.broadcast_one_to_all(np.asarray([len(data)], np.int32))[0])
+    if n == 0:
+        return b""
+    buf = np.frombuffer(data, np.uint8) if is_primary() else np.zeros(n, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8))
+
+
+_PEER_LOST = ("gloo", "connection reset", "connection refused", "broken pipe", "deadline_exceeded",
+              "coordination service", "heartbeat", "unavailable")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """The one line for an error of a multi-process run that means another process of it is gone (it
+    exited on its own error, was killed, or its host dropped): a failed cross-process collective. None
+    for any other error, and in a single process."""
+    if jax.process_count() == 1 or not isinstance(e, jax.errors.JaxRuntimeError):
+        return None
+    text = str(e)
+    if not any(k in text.lower() for k in _PEER_LOST):
+        return None
+    first = text.strip().splitlines()[0][:300] if text.strip() else type(e).__name__
+    return (f"process {jax.process_index()} lost contact with another process of this run (it stopped: see "
+            f"its own log) during a collective: {first}")
+
+
+def abandon(code: int) -> None:
+    """Ends the process now, without jax.distributed's shutdown barrier: after a lost peer that barrier
+    waits for the heartbeat timeout and then aborts the process (SIGABRT, a C++ stack trace). Output
+    streams and log handlers are flushed first."""
+    import logging
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing more to say
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 def barrier(name: str) -> None:
