@@ -4,7 +4,7 @@ A sequence's KV lives in `block_size`-token blocks named by its block table. Ful
 *cached*: registered under a hash that covers every token up to the block's end and the identity
 of the adapter that produced them, so a later sequence with the same prefix (and the same adapter,
 or none when the prefix is provably adapter-free, see `block_hashes` and
-`preft_jax.adapters.policy.first_adapted_position`) reuses the block instead of
+`preft_jax.adapters.policy.adapted_windows`) reuses the block instead of
 recomputing it. Unreferenced cached blocks stay resident until the pool needs room and are then
 evicted least-recently-used first.
 
@@ -151,22 +151,30 @@ class BlockPool:
 
 
 # ---------------------------------------------------------------------------------------- hashing
-def block_hashes(tokens: Sequence[int], block_size: int, first_adapted: int, adapter_key: bytes | None,
-                 n_blocks: int | None = None) -> list[bytes]:
+def block_hashes(tokens: Sequence[int], block_size: int, windows: Sequence[tuple[int, int]],
+                 adapter_key: bytes | None, n_blocks: int | None = None) -> list[bytes]:
     """Chained hashes of the first `n_blocks` full blocks of `tokens` (default: every full block).
 
-    hash_b = H(hash_{b-1}, tokens of block b, adapter_key if any position < block end is adapted).
+    hash_b = H(hash_{b-1}, tokens of block b, which of block b's positions are adapted and by whom).
+    `windows`: the adapted positions, [start, end) (`preft_jax.adapters.policy.adapted_windows`). A
+    block with none of them hashes as a base block (shared with base requests and across adapters);
+    otherwise its hash holds the adapter's identity and the adapted offsets inside the block, so a
+    block is reused only by a sequence that adapted the same positions of it (with the chain: the
+    same positions of every block before it). A last_k window that moves with the prompt's length, an
+    aLoRA start inside a block, or a PreFT prompt whose earlier turn's generated (base) tokens are now
+    adapted prompt tokens all hash apart.
     """
     full = len(tokens) // block_size if n_blocks is None else min(n_blocks, len(tokens) // block_size)
     out, parent = [], b""
     arr = np.asarray(tokens[:full * block_size], np.int64)
     for b in range(full):
-        end = (b + 1) * block_size
+        start, end = b * block_size, (b + 1) * block_size
         h = hashlib.blake2b(digest_size=16)
         h.update(parent)
-        h.update(arr[b * block_size:end].tobytes())
-        if first_adapted < end:
-            h.update(b"A" + (adapter_key or b""))
+        h.update(arr[start:end].tobytes())
+        inside = [(max(a, start) - start, min(e, end) - start) for a, e in windows if a < end and e > start]
+        if inside:
+            h.update(b"A" + (adapter_key or b"") + np.asarray(inside, np.int64).tobytes())
         else:
             h.update(b"B")
         parent = h.digest()

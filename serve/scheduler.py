@@ -18,11 +18,13 @@ queue behind it.
 
 Prefix caching: on admission, the leading full blocks of a sequence's tokens are looked up by hash
 (`kv_blocks.block_hashes`): tokens up to the block's end plus, when any of those positions is
-adapted, the adapter's identity (weights digest + policy). After each step the newly completed full
-blocks are registered. Which positions are adapted is the policy's (`first_adapted_position`): the
-blocks before an activated (aLoRA) request's activation start, or before a PreFT last_k window, are
-base blocks, shared with base requests and across adapters. The last prompt token is always
-computed (its logits sample the first token).
+adapted, the adapter's identity (weights digest + policy) and which of the block's positions it
+adapted. After each step the newly completed full blocks are registered. Which positions are
+adapted is the policy's (`adapted_windows`): the blocks before an activated (aLoRA) request's
+activation start, or before a PreFT last_k window, are base blocks, shared with base requests and
+across adapters; a block is reused by an adapted request only where the same positions were adapted
+(a PreFT request's generated tokens ran on base weights, so a later turn that has them in its prompt
+computes them again). The last prompt token is always computed (its logits sample the first token).
 
 Device adapter slots: the scheduler is the one owner of pins. A sequence pins its adapter's device
 slot when it is admitted (`_admit`); in PreFT mode ("prefill") it unpins when its prompt is done
@@ -45,7 +47,7 @@ import itertools
 import time
 from collections import deque
 
-from preft_jax.adapters.policy import first_adapted_position
+from preft_jax.adapters.policy import adapted_windows
 from serve.kv_blocks import BlockPool, NoFreeBlocks, block_hashes
 from serve.registry import AdapterRegistry, NoDeviceSlot
 from serve.request import Request
@@ -65,7 +67,7 @@ class Sequence:
     admitted_at: int = 0                 # admission counter (preemption picks the newest)
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     hashes: list[bytes] | None = None    # prefix hashes of full blocks (computed when admitted)
-    first_adapted: int = 1 << 62
+    adapted: tuple = ()                  # the adapter's adapted windows (`adapted_windows`), for the hashes
     adapter_start: int | None = None     # activated (aLoRA) adapter: where it starts acting (set by the engine
                                          # once the adapter version is resolved; 0 for other policies)
     preemptions: int = 0
@@ -236,7 +238,7 @@ class Scheduler:
         child.num_computed = parent.num_computed
         child.registered = parent.registered
         child.hashes = parent.hashes
-        child.first_adapted = parent.first_adapted
+        child.adapted = parent.adapted
         child.adapter_start = parent.adapter_start
         child.status = DECODE
         self._admissions += 1
@@ -261,11 +263,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def _identity_and_policy(self, seq: Sequence):
+    def _identity_and_windows(self, seq: Sequence):
+        """(adapter identity or None, the positions it adapts: `adapted_windows`) for the hashes."""
         ref = seq.ref
         if ref is None:
-            return None, first_adapted_position(None, seq.tokens[:seq.plen])
-        return self.registry.identity(ref), first_adapted_position(self.registry.policy(ref), seq.tokens[:seq.plen])
+            return None, ()
+        return self.registry.identity(ref), adapted_windows(self.registry.policy(ref), seq.tokens[:seq.plen])
 
     def _lookup_prefix(self, seq: Sequence) -> None:
         """Takes cached blocks for the sequence's leading full blocks (never its last token's block;
@@ -278,8 +281,8 @@ class Scheduler:
             self.pool.count_miss(usable)
             seq.blocks, seq.registered, seq.num_computed = [], 0, 0
             return
-        key, seq.first_adapted = self._identity_and_policy(seq)
-        seq.hashes = block_hashes(seq.tokens, bs, seq.first_adapted, key)
+        key, seq.adapted = self._identity_and_windows(seq)
+        seq.hashes = block_hashes(seq.tokens, bs, seq.adapted, key)
         hits = []
         for h in seq.hashes[:usable]:
             b = self.pool.lookup(h)
@@ -299,9 +302,8 @@ class Scheduler:
         if full <= seq.registered or not self.pool.enable_prefix_cache:
             return
         if seq.hashes is None or len(seq.hashes) < full:
-            key, fa = self._identity_and_policy(seq)
-            seq.first_adapted = fa
-            seq.hashes = block_hashes(seq.tokens, bs, fa, key)
+            key, seq.adapted = self._identity_and_windows(seq)
+            seq.hashes = block_hashes(seq.tokens, bs, seq.adapted, key)
         for i in range(seq.registered, min(full, len(seq.hashes))):
             self.pool.register(seq.blocks[i], seq.hashes[i])
         seq.registered = min(full, len(seq.hashes))

@@ -2,7 +2,7 @@
 that decides when a block is shareable across adapters."""
 import pytest
 
-from preft_jax.adapters.policy import PositionPolicy, first_adapted_position
+from preft_jax.adapters.policy import PositionPolicy, adapted_windows
 from serve.kv_blocks import NULL_BLOCK, BlockPool, NoFreeBlocks, block_hashes
 
 
@@ -20,7 +20,7 @@ def test_allocate_free_and_exhaustion():
 
 def test_prefix_hits_refcounts_and_lru_eviction():
     pool = BlockPool(4, 2)
-    hs = block_hashes([1, 2, 3, 4, 5, 6], 2, first_adapted=1 << 62, adapter_key=None)
+    hs = block_hashes([1, 2, 3, 4, 5, 6], 2, windows=(), adapter_key=None)
     a = pool.allocate_many(3)
     for b, h in zip(a, hs):
         pool.register(b, h)
@@ -37,20 +37,47 @@ def test_prefix_hits_refcounts_and_lru_eviction():
 
 def test_hashes_chain_and_adapter_taint():
     toks = list(range(12))
-    base = block_hashes(toks, 4, first_adapted=1 << 62, adapter_key=None)
+    base = block_hashes(toks, 4, windows=(), adapter_key=None)
     ka, kb = b"a\0w1", b"b\0w2"                      # adapter identities (AdapterRegistry.identity)
     # last_k=1 on a 12-token prompt: only position 11 is adapted -> blocks ending at 4 and 8 are base
-    fa = first_adapted_position(PositionPolicy(last_k=1), toks)
-    assert fa == 11
-    ha, hb = block_hashes(toks, 4, fa, ka), block_hashes(toks, 4, fa, kb)
+    w = adapted_windows(PositionPolicy(last_k=1), toks)
+    assert w == ((11, 12),)
+    ha, hb = block_hashes(toks, 4, w, ka), block_hashes(toks, 4, w, kb)
     assert ha[:2] == base[:2] == hb[:2] and ha[2] != base[2] and ha[2] != hb[2]
     # first_k, unrestricted prefill and all-token adapt position 0: nothing is shared
-    for f in (first_adapted_position(PositionPolicy(first_k=2), toks), first_adapted_position(PositionPolicy(), toks),
-              first_adapted_position(PositionPolicy(mode="all"), toks)):
-        assert f == 0 and block_hashes(toks, 4, f, ka)[0] != base[0]
+    for p in (PositionPolicy(first_k=2), PositionPolicy(), PositionPolicy(mode="all")):
+        assert block_hashes(toks, 4, adapted_windows(p, toks), ka)[0] != base[0]
     # a changed prefix changes every later hash (the identity's own tests: tests/test_adapter_registry.py)
-    assert block_hashes([99] + toks[1:], 4, 1 << 62, None)[2] != base[2]
-    assert first_adapted_position(None, toks) > 12
+    assert block_hashes([99] + toks[1:], 4, (), None)[2] != base[2]
+    assert adapted_windows(None, toks) == ()
+
+
+def test_a_block_hashes_which_of_its_positions_are_adapted():
+    """Two sequences that adapt different positions of the same tokens never share a block - against
+    the positions themselves: equal hashes <=> equal tokens and equal adapted positions up to the block's end."""
+    toks = list(range(20, 36))
+    key = b"k\0w"
+    cases = {
+        "prefill 8 (a turn's prompt)": adapted_windows(PositionPolicy(), toks[:8]),
+        "prefill 12 (the next turn: the first turn's generated tokens now in the prompt)":
+            adapted_windows(PositionPolicy(), toks[:12]),
+        "last_k=3 of 8": adapted_windows(PositionPolicy(last_k=3), toks[:8]),
+        "last_k=3 of 9": adapted_windows(PositionPolicy(last_k=3), toks[:9]),
+        "activated from 0": ((0, 1 << 62),),
+        "activated from 3": ((3, 1 << 62),),
+        "all": adapted_windows(PositionPolicy(mode="all"), toks),
+        "base": (),
+    }
+    hashes = {name: block_hashes(toks, 4, w, None if name == "base" else key) for name, w in cases.items()}
+
+    def adapted_upto(w, end):
+        return frozenset(t for a, b in w for t in range(a, min(b, end)))
+    for x, wx in cases.items():
+        for y, wy in cases.items():
+            for blk in range(4):
+                end = 4 * (blk + 1)
+                same = adapted_upto(wx, end) == adapted_upto(wy, end)
+                assert (hashes[x][blk] == hashes[y][blk]) == same, (x, y, blk)
 
 
 def test_prefilling_sequences_that_hold_each_others_blocks_do_not_deadlock():

@@ -291,3 +291,39 @@ def test_blocks_completed_by_generated_tokens_serve_later_prompts(runner, fused)
     follow = prompt + out + rng.integers(0, CFG.vocab_size, 3).tolist()
     assert _run(eng, [(follow, None, 2)])[0] == _alone(runner, follow, None, 2, "prefill")
     assert eng.pool.stats.hits - before == 4
+
+
+def test_prefix_hits_only_where_the_same_positions_were_adapted(runner):
+    """A block is reused by an adapted request only where the same positions of it were adapted
+    (against each request generated alone, no cache):
+    * a multi-turn follow-up with a PreFT adapter: the first turn's generated tokens ran on base
+      weights, and are adapted prompt tokens in the second turn (LoRA and ReFT);
+    * a last_k window that moves with the prompt length (a prompt extended by one token);
+    * an aLoRA whose activation start falls inside a block another prompt adapted whole.
+    The base model's own blocks and the blocks before a window stay shared."""
+    rng = np.random.default_rng(11)
+    inv = (7, 8, 9)
+    extra = {"k3": random_lora(CFG, 30, policy=PositionPolicy(last_k=3)),
+             "al": random_lora(CFG, 31, policy=PositionPolicy.activated(inv))}
+    ADAPTERS.update(extra)
+    try:
+        eng = _engine(runner, names=("a", "b", "k3", "al"))
+        for name in ("a", "b"):
+            prompt = rng.integers(10, CFG.vocab_size, 6).tolist()
+            out = _run(eng, [(prompt, name, 12)])[0]           # generated positions 6..16 on base weights
+            follow = prompt + out + rng.integers(10, CFG.vocab_size, 3).tolist()
+            before = eng.pool.stats.hits
+            assert _run(eng, [(follow, name, 6)])[0] == _alone(runner, follow, name, 6, "prefill"), name
+            assert eng.pool.stats.hits - before == 1            # block 0: the first turn's prompt alone
+        p8 = rng.integers(10, CFG.vocab_size, 8).tolist()      # last_k=3: 5..7 adapted; with one more: 6..8
+        assert _run(eng, [(p8, "k3", 4)])[0] == _alone(runner, p8, "k3", 4, "prefill")
+        before = eng.pool.stats.hits
+        p9 = p8 + [int(rng.integers(10, CFG.vocab_size))]
+        assert _run(eng, [(p9, "k3", 8)])[0] == _alone(runner, p9, "k3", 8, "prefill")
+        assert eng.pool.stats.hits - before == 1                # block 0 is base in both: shared
+        first, second = [7, 8, 9, 7, 20, 21], [7, 8, 9, 7, 8, 9, 22]   # activation from 0, then from 3
+        assert _run(eng, [(first, "al", 4)])[0] == _alone(runner, first, "al", 4, "prefill")
+        assert _run(eng, [(second, "al", 8)])[0] == _alone(runner, second, "al", 8, "prefill")
+    finally:
+        for name in extra:
+            ADAPTERS.pop(name)

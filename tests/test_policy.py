@@ -7,7 +7,7 @@ import pytest
 
 from preft_jax.adapters import policy as pol
 from preft_jax.adapters.policy import (MissingInvocationError, PolicyTable, PositionPolicy, activation_start,
-                                       activation_starts, decode_uses_adapters, first_adapted_position,
+                                       activation_starts, adapted_windows, decode_uses_adapters,
                                        last_occurrence, serving_policy, serving_table, slot_entry,
                                        token_adapter_index)
 
@@ -109,26 +109,33 @@ def test_activation_start_and_errors():
         activation_starts(table, [2], [[8, 7]], names=["rewrite"])
 
 
-def test_first_adapted_position_agrees_with_the_mask():
-    """Host (prefix cache) and device (token mask) say the same: the first adapted position."""
+def test_adapted_windows_agree_with_the_mask():
+    """Host (prefix cache) and device (token mask) say the same: exactly which positions are adapted,
+    prompt and generated ones, for every kind and prompt length."""
     rng = np.random.default_rng(2)
-    table = PolicyTable.encode([PositionPolicy()] + POLICIES)
-    for p_i, p in enumerate(POLICIES, start=1):
-        for plen in (1, 3, 9, 16):
+    extra = [PositionPolicy(first_k=2, last_k=2), PositionPolicy(first_k=0), PositionPolicy(first_k=5, last_k=4)]
+    table = PolicyTable.encode([PositionPolicy()] + POLICIES + extra)
+    for p_i, p in enumerate(POLICIES + extra, start=1):
+        for plen in (1, 3, 6, 9, 16):
             prompt = rng.integers(0, 6, plen).tolist()
             if p.mode == "activated":
                 if plen < len(p.invocation_tokens):
                     continue
-                prompt[plen - len(p.invocation_tokens):] = list(p.invocation_tokens)
+                at = int(rng.integers(0, plen - len(p.invocation_tokens) + 1))
+                prompt[at:at + len(p.invocation_tokens)] = list(p.invocation_tokens)
             starts = activation_starts(table, [p_i], [prompt])
-            idx = np.asarray(token_adapter_index(table, jnp.asarray([p_i]), jnp.arange(plen + 4)[None],
+            span = plen + 4
+            idx = np.asarray(token_adapter_index(table, jnp.asarray([p_i]), jnp.arange(span)[None],
                                                  jnp.asarray([plen]), None if starts is None else jnp.asarray(starts)))
-            adapted = np.flatnonzero(idx[0])
-            want = int(adapted[0]) if adapted.size else pol.NEVER
-            assert first_adapted_position(p, prompt) == want, (p, plen)
-    assert first_adapted_position(None, [1, 2, 3]) == pol.NEVER
+            want = set(np.flatnonzero(idx[0]).tolist())
+            windows = adapted_windows(p, prompt)
+            got = {t for a, b in windows for t in range(a, min(b, span))}
+            assert got == want, (p, plen, windows)
+            assert all(a < b for a, b in windows) and all(w[1] < v[0] for w, v in zip(windows, windows[1:]))
+    assert adapted_windows(None, [1, 2, 3]) == ()
+    assert adapted_windows(PositionPolicy(mode="all"), [1]) == ((0, pol.NEVER),)
     with pytest.raises(MissingInvocationError):
-        first_adapted_position(PositionPolicy.activated([9]), [1, 2])
+        adapted_windows(PositionPolicy.activated([9]), [1, 2])
 
 
 def test_table_encoding_round_trip_and_write():

@@ -1,5 +1,5 @@
 """The position policy: which tokens of a sequence an adapter acts on. This module is its one owner:
-the kinds, their JSON and device encodings, the per-token mask, the first adapted position (prefix
+the kinds, their JSON and device encodings, the per-token mask, the adapted windows on the host (prefix
 cache) and the serving override. Every other module asks it; nothing else decodes a `PolicyTable`.
 
 Kinds (`PositionPolicy.mode`):
@@ -41,7 +41,7 @@ import numpy as np
 
 MODES = ("prefill", "all", "activated")
 PREFILL, ALL, ACTIVATED = 0, 1, 2            # PolicyTable.kind codes, in MODES order
-NEVER = 1 << 62                              # first_adapted_position when no position is adapted
+NEVER = 1 << 62                              # an adapted window's end when it never ends
 _FAR = np.iinfo(np.int32).max                # "no end" / "not activated" on the device
 
 
@@ -171,27 +171,35 @@ def activation_start(policy: PositionPolicy, prompt: Sequence[int], adapter: str
     return start
 
 
-def first_adapted_position(policy: PositionPolicy | None, prompt: Sequence[int]) -> int:
-    """The first position of a sequence with prompt `prompt` that the adapter acts on (NEVER when
-    none; `policy` None = the base model).
+def adapted_windows(policy: PositionPolicy | None, prompt: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The positions the adapter acts on in a sequence with prompt `prompt`, as sorted disjoint
+    [start, end) windows (end NEVER: every later position, generated ones included); () for the base
+    model (`policy` None) or a policy that adapts nothing here. The host's form of `row_windows`.
 
-    A KV block whose tokens all lie before it was computed by the base weights alone (attention is
-    causal): it equals the base model's block and is shared with base requests and across adapters."""
+    With attention causal, a KV block's contents follow from the tokens up to its end and which of
+    those positions were adapted: the prefix cache hashes exactly that (serve/kv_blocks.py), so a
+    block is reused only where every position up to its end was computed alike."""
     if policy is None:
-        return NEVER
+        return ()
     plen = len(prompt)
     if policy.mode == "all":
-        return 0
+        return ((0, NEVER),)
     if policy.mode == "activated":
-        return activation_start(policy, prompt)
+        return ((activation_start(policy, prompt), NEVER),)
     if policy.first_k is None and policy.last_k is None:
-        return 0 if plen > 0 else NEVER
-    candidates = []
+        return ((0, plen),) if plen > 0 else ()
+    windows = []
     if policy.first_k:
-        candidates.append(0)
+        windows.append((0, min(policy.first_k, plen)))
     if policy.last_k:
-        candidates.append(max(0, plen - policy.last_k))
-    return min(candidates) if candidates else NEVER
+        windows.append((max(0, plen - policy.last_k), plen))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(w for w in windows if w[0] < w[1]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return tuple(merged)
 
 
 # ------------------------------------------------------------------------------ device encoding
