@@ -89,6 +89,9 @@ def _decode(graphdef, state, tokens, positions, cache, bank, adapter_ids, prompt
 
 
 decode_step = jax.jit(_decode, static_argnums=0, donate_argnames=("cache",))
+# the first token's draw, compiled once per shape: `sample` called eagerly traces its lax.cond
+# branches anew on every call (a compile each time, and memory maps that add up to a crash after ~650)
+_sample_first = jax.jit(sample)
 decode_step.__doc__ = """tokens, positions: int [n_slots] -> (logits [n_slots, V], cache). bank=None: base decode."""
 
 
@@ -249,7 +252,7 @@ class ModelRunner:
         temp = jnp.full((B,), sampling.temperature, jnp.float32)
         top_p = jnp.full((B,), sampling.top_p, jnp.float32)
         top_k = jnp.full((B,), sampling.top_k, jnp.int32)
-        first = sample(logits, sub, temp, top_p, top_k)
+        first = _sample_first(logits, sub, temp, top_p, top_k)
         stop = tuple(sampling.stop_token_ids) or tuple(self.cfg.eos_token_ids) or (-1,)
         dbank = bank if decode_with_adapters else None
         with self.mesh_context():

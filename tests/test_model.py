@@ -91,6 +91,30 @@ def test_sampling_is_seeded_and_respects_top_p(tiny):
     assert a[0].tokens == b[0].tokens
 
 
+def test_repeated_generate_calls_compile_nothing_new(tiny):
+    """ModelRunner.generate of the same shapes compiles once: its first-token draw used to trace
+    `sample`'s lax.cond anew on every call (a backend compile per call, and memory maps that ran out
+    after ~650 calls)."""
+    import jax
+    import jax.monitoring
+    _, runner = tiny
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=4, stop_token_ids=(-5,))
+    for i in range(2):                                        # warm: every shape compiled
+        runner.generate([[3, 4, 5]], sp, key=jax.random.key(i))
+    compiles = []
+
+    def listen(name, _dur, **_kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for i in range(3):
+            runner.generate([[3, 4, 5]], sp, key=jax.random.key(10 + i))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
 def test_top_p_and_top_k_masks():
     import jax
     from preft_jax.sampling import sample
