@@ -245,6 +245,8 @@ class AdapterCatalog:
                  loader_threads: int = 2, max_registered: int | None = None, stats: TierStats | None = None):
         if adapter_dir is not None and not os.path.isdir(adapter_dir):
             raise ValueError(f"adapter_dir is not a folder: {adapter_dir}")
+        if host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes (the server's --host-cache-bytes) must be >= 0, got {host_cache_bytes}")
         self.cfg, self.mode, self.slot_update = cfg, check_mode(mode), slot_update
         self.adapter_dir = None if adapter_dir is None else os.path.realpath(adapter_dir)
         self.host_cache_bytes, self.max_registered = int(host_cache_bytes), max_registered

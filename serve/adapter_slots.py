@@ -60,6 +60,10 @@ class AdapterSlots:
             raise ValueError("capacity must be >= 0")
         if max_invocation_tokens < 0:
             raise ValueError(f"max_invocation_tokens must be >= 0, got {max_invocation_tokens}")
+        for name, rank in (("lora_rank", lora_rank), ("reft_rank", reft_rank)):
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+                raise ValueError(f"{name} (the largest rank a device slot holds; the server's "
+                                 f"--{name.replace('_', '-')}) must be an integer >= 1, got {rank!r}")
         bank = empty_bank(cfg, capacity + 1, tuple(lora_targets), lora_rank, reft_rank, dtype,
                           max_invocation_tokens) if capacity else None
         return cls(bank, stats)

@@ -69,8 +69,8 @@ class EngineConfig:
             raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size ({self.block_size})")
-        if self.max_queued < 0:
-            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if self.max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1 (every request waits in the queue first), got {self.max_queued}")
         if self.request_timeout is not None and not (math.isfinite(self.request_timeout)
                                                      and self.request_timeout > 0):
             raise ValueError(f"request_timeout must be a positive number of seconds or None, "

@@ -128,6 +128,7 @@ class Scheduler:
         self.running: list[Sequence] = []            # prefill + decode, in admission order
         self._admissions = 0
         self.preemptions = 0
+        self._hold_admissions = False                # after a stall's preemption: running ones go first
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -335,8 +336,12 @@ class Scheduler:
         continuing = [s for s in self.running if s.status == PREFILL]
         candidates = [(s, False) for s in continuing] + [(s, True) for s in self._admission_order(adapter_ready)]
         share = collections.Counter(s.req.group for s in self.running)   # rows each client request holds
-        admitting, blocked = True, False
+        # After a stall (below) the running sequences take the freed blocks before anything is admitted:
+        # else the sequence just preempted is admitted again first (fair_pick favours a request holding
+        # no rows), takes back the same blocks, and the stall repeats for ever while nothing finishes.
+        admitting = not (self._hold_admissions and (decode or continuing))
         reserved = self.rows_reserved()           # kept up to date below (not recounted per admission)
+        progressed = bool(decode)                 # a running sequence moves this step
         while candidates and budget > 0 and len(prefill) < c.max_prefill_seqs:
             i = fair_pick(candidates, share)
             seq, new = candidates.pop(i)
@@ -348,27 +353,26 @@ class Scheduler:
                     admitting = False
                     continue
                 reserved += 1 + len(seq.forks)
-            elif blocked:
-                continue
             chunk = self._chunk(seq, budget)
             if chunk is None:                     # no block for even one token: undo, try later
                 if new:
                     self._unadmit(seq)
                     admitting = False
-                else:
-                    blocked = True
                 continue
             prefill.append(chunk)
             budget -= chunk.length
+            progressed = progressed or not new
             share[seq.req.group] += 1 + (len(seq.forks) if new else 0)   # an admitted prompt's forks hold rows too
+        self._hold_admissions = self._hold_admissions and not progressed
         if not decode and not prefill and self.running:
-            # Nothing can move: every running sequence is prefilling and the pool has no block for the
-            # next chunk of the first of them (the others wait behind it, FCFS), e.g. two recomputes
-            # after preemptions each holding what the other needs. Only decode growth preempted
-            # before, so this state lasted forever; now the newest gives its blocks back (recompute).
+            # A stall: every running sequence is prefilling and the pool has no block for any of their
+            # next chunks, e.g. two recomputes after preemptions each holding what the other needs.
+            # The newest gives its blocks back (recompute) and admissions wait until a running sequence
+            # has used them (`_hold_admissions`).
             victim = self.running[-1]
             self.preempt(victim)
             preempted.append(victim)
+            self._hold_admissions = True
         return StepPlan(decode, prefill, preempted, self._copies)
 
     def _private_block(self, seq: Sequence, preempted: list) -> bool:
@@ -425,13 +429,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> Chunk | None:
+        """The sequence's next prefill chunk within `budget` tokens, cut to the blocks it holds and the
+        pool has left (None: not one token fits)."""
         remaining = len(seq.tokens) - seq.num_computed
-        n = min(remaining, budget)
-        while n > 0 and not self.grow(seq, seq.num_computed + n):
-            n = min(n, (len(seq.blocks) * self.config.block_size) - seq.num_computed)
-            if n <= 0:
-                return None
-        if n <= 0:
+        room = (len(seq.blocks) + self.pool.num_available) * self.config.block_size - seq.num_computed
+        n = min(remaining, budget, room)
+        if n <= 0 or not self.grow(seq, seq.num_computed + n):
             return None
         return Chunk(seq, seq.num_computed, n, seq.num_computed + n == len(seq.tokens))
 

@@ -803,3 +803,20 @@ def test_serve_generate_has_cpu_decode():
     parser = _parsers()["python -m serve generate"]
     assert parser.parse_args(["--prompt", "x", "--cpu-decode", "xla"]).cpu_decode == "xla"
     assert parser.parse_args(["--prompt", "x"]).cpu_decode == "auto"
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--reft-rank", "-1", "error: reft_rank (the largest rank a device slot holds; the server's --reft-rank) must be "
+                          "an integer >= 1, got -1"),
+    ("--lora-rank", "0", "error: lora_rank (the largest rank a device slot holds; the server's --lora-rank) must be "
+                         "an integer >= 1, got 0"),
+    ("--max-queued", "0", "error: max_queued must be >= 1 (every request waits in the queue first), got 0"),
+    ("--host-cache-bytes", "-5", "error: host_cache_bytes (the server's --host-cache-bytes) must be >= 0, got -5"),
+])
+def test_server_flags_refused_at_startup(tmp_path, flag, value, words):
+    """Flags that built a server which crashed (a negative rank: a JAX shape TypeError with a
+    traceback) or refused every request (a queue of 0) are one line and status 2 before it listens."""
+    r = _run(["-m", "serve", "server", "--model", "tiny", "--port", "1", "--no-warmup", flag, value],
+             _env(HOME=tmp_path), timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == words, r.stderr[-2000:]
