@@ -7,9 +7,11 @@ Per step (`schedule()`):
    request is lost, duplicated or corrupted);
 2. the rest of `max_num_batched_tokens` goes to prefill chunks: sequences already prefilling
    continue, then waiting sequences are admitted while rows, blocks and device adapter slots last.
-   Long prompts are cut into chunks, so decode keeps running while they are admitted. A step that
-   would plan nothing while sequences run (all prefilling, none with a block for its next chunk)
-   preempts the newest, so sequences that hold each other's blocks never wait for ever.
+   Long prompts are cut into chunks, so decode keeps running while they are admitted; a chunk is
+   cut to the blocks the pool has left. A step that would plan nothing while sequences run (all
+   prefilling, none with a block for its next chunk) preempts the newest, and admits nothing more
+   until a running sequence has used the blocks it freed, so sequences that hold each other's
+   blocks never wait for ever and a preempted one cannot take its blocks back at once (a livelock).
 
 Admission order: requests that have waited longer than `starvation_s` first (FCFS), then requests
 whose adapter is already on the device (or the base model), then the others - grouping prefills by
