@@ -22,7 +22,6 @@ missed by the burst. Median (min-max) over the repeats.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
@@ -139,4 +138,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

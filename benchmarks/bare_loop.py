@@ -65,7 +65,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import header, load_runner, log, random_prompts, round_robin, serve, spread, stats, write_json
+from benchmarks.common import (header, load_runner, log, positive_int, random_prompts, round_robin, serve, spread,
+                               stats, write_json)
 
 
 def make_engine(runner, adapter_dir, steps, args, fused: int = 1):
@@ -254,15 +255,15 @@ def main(argv=None) -> int:
     ap.add_argument("--adapter-dir", default=None,
                     help="PEFT folders lora_0 .. lora_{N-1} (default <bench-dir>/adapters/r16_qkvo without --model)")
     ap.add_argument("--n-adapters", type=int, default=8)
-    ap.add_argument("--requests", "--rows", dest="requests", type=int, default=32,
+    ap.add_argument("--requests", "--rows", dest="requests", type=positive_int, default=32,
                     help="requests, all submitted at once (= decode rows, max_num_seqs)")
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--steps", type=int, nargs="+", default=[4, 1], help="num_scheduler_steps values")
-    ap.add_argument("--fused", type=int, nargs="+", default=[1, 4],
+    ap.add_argument("--prompt-len", type=positive_int, default=16)
+    ap.add_argument("--max-tokens", type=positive_int, default=32)
+    ap.add_argument("--steps", type=positive_int, nargs="+", default=[4, 1], help="num_scheduler_steps values")
+    ap.add_argument("--fused", type=positive_int, nargs="+", default=[1, 4],
                     help="decode_steps_per_call values (fused multi-step calls; > 1 only with --steps > 1)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--bursts", type=int, default=8,
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--bursts", type=positive_int, default=8,
                     help="workload rounds per repeat, served back to back (and replayed): a longer window "
                          "than one ~40 ms round on the tiny model, whose spread on this machine was 0.5-1.2x")
     ap.add_argument("--cpu-decode", default="auto", choices=("auto", "native", "xla"),
@@ -432,4 +433,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

@@ -151,6 +151,31 @@ def header(runner, extra: str = "") -> str:
             f"load average {os.getloadavg()[0]:.2f}; {extra}")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse then names the flag and exits 2)."""
+    import argparse
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def run(main: Callable[[], int | None]) -> int:
+    """A benchmark's entry point: main()'s status, or for a refused value (a ValueError: a flag out of
+    range, a decode path this machine cannot build) one `error:` line and status 2, never a traceback
+    (PREFT_TRACEBACK=1 shows where)."""
+    try:
+        return main() or 0
+    except ValueError as e:
+        if os.environ.get("PREFT_TRACEBACK"):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 from preft_jax.config import MODEL_PRESETS, ModelConfig, model_preset
 
@@ -236,4 +235,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.common import NO_STOP, header, load_runner, log
+from benchmarks.common import NO_STOP, header, load_runner, log, positive_int
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", help="'tiny', a GGUF/HF path, or the embedded SmolLM2-135M")
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--rows", type=positive_int, default=64)
+    ap.add_argument("--calls", type=positive_int, default=400)
     args = ap.parse_args(argv)
     from preft_jax.sampling import SamplingParams
     from serve.engine import Engine, EngineConfig
@@ -62,4 +61,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

@@ -124,4 +124,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

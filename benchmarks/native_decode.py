@@ -22,7 +22,7 @@ import time
 
 import jax
 
-from benchmarks.common import (cpu_model, load_runner, log, random_prompts, round_robin, serve, spread,
+from benchmarks.common import (cpu_model, load_runner, log, positive_int, random_prompts, round_robin, serve, spread,
                                stats)
 
 
@@ -44,11 +44,11 @@ def recorded_decode(runner, rows: int, mode: str, prompt_len: int = 16):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="'tiny', a GGUF/HF path, or the embedded SmolLM2-135M (default)")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request (the replayed "
+    ap.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--prompt-len", type=positive_int, default=16, help="prompt tokens per request (the replayed "
                     "call attends to ~10 more)")
-    ap.add_argument("--calls", type=int, default=8, help="decode calls per timed repeat")
+    ap.add_argument("--calls", type=positive_int, default=8, help="decode calls per timed repeat")
     args = ap.parse_args(argv)
     runner = load_runner(args.model)
     cfg = runner.cfg
@@ -84,4 +84,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

@@ -18,7 +18,6 @@ Reported per variant: tok/s, peak and mean running sequences, median TTFT, preem
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
@@ -107,4 +106,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

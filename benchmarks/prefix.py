@@ -16,7 +16,6 @@ engine (TTFT of one request alone), interleaved on/off.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
@@ -124,4 +123,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from typing import Callable
 
@@ -182,4 +181,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

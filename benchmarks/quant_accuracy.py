@@ -200,4 +200,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

@@ -662,4 +662,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

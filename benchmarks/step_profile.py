@@ -28,7 +28,6 @@ import gzip
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
 
@@ -140,4 +139,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

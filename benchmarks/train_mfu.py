@@ -37,7 +37,6 @@ import glob
 import gzip
 import json
 import statistics
-import sys
 import tempfile
 import time
 
@@ -286,4 +285,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.common import run as _run_main
+    raise SystemExit(_run_main(main))

@@ -34,6 +34,18 @@ def build_parser(prog: str = "python -m preft_jax") -> argparse.ArgumentParser:
 
 def main(argv=None, prog: str = "python -m preft_jax") -> int:
     args = build_parser(prog).parse_args(argv)
+    import dataclasses
+
+    from preft_jax.sampling import SamplingError, SamplingParams, flag_error
+    try:                        # the flags first: a bad value is one line before the model loads
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_tokens)
+    except SamplingError as e:
+        print("error: " + flag_error(e, {"temperature": "--temperature", "top_p": "--top-p",
+                                         "max_new_tokens": "--max-tokens"}), file=sys.stderr)
+        return 2
+    if not -2 ** 63 <= args.seed < 2 ** 63:
+        print(f"error: --seed must fit in 64 bits (a signed integer), got {args.seed}", file=sys.stderr)
+        return 2
     from preft_jax.cache.startup import fast_start
     fast_start(use_cache=not args.no_cache)
 
@@ -42,7 +54,6 @@ def main(argv=None, prog: str = "python -m preft_jax") -> int:
     from preft_jax.generation import ModelRunner
     from preft_jax.loading import load_model
     from preft_jax.model import Llama
-    from preft_jax.sampling import SamplingParams
 
     try:
         cfg, params, tok = load_model(args.model, cache=False if args.no_cache else None,
@@ -56,8 +67,7 @@ def main(argv=None, prog: str = "python -m preft_jax") -> int:
         ids = tok.encode(args.prompt, add_bos=tok.add_bos_default)
     else:
         ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_tokens,
-                              stop_token_ids=tuple(tok.eos_token_ids))
+    sampling = dataclasses.replace(sampling, stop_token_ids=tuple(tok.eos_token_ids))
     try:
         out = runner.generate([ids], sampling, bank=bank, adapter_ids=[1] if bank is not None else None,
                               key=jax.random.key(args.seed))[0]

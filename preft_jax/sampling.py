@@ -61,6 +61,12 @@ class SamplingError(ValueError):
         self.field, self.requirement = field, requirement
 
 
+def flag_error(e: SamplingError, flags: dict[str, str]) -> str:
+    """A command line's words for a SamplingError: the field as the flag that set it (flags: field ->
+    flag, e.g. {"max_new_tokens": "--max-tokens"})."""
+    return f"{flags.get(e.field, e.field)} {e.requirement}"
+
+
 MAX_TOP_LOGPROBS = 20     # top log-probabilities a step can return per token (a static shape)
 
 

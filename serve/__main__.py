@@ -151,10 +151,13 @@ def cmd_generate(args) -> int:
         args.use = next(iter(folders))
     if args.use is not None and args.use not in folders:
         raise CliError(f"--use {args.use!r}: no such --adapter (given: {', '.join(folders) or 'none'})")
-    if args.max_tokens < 1:
-        raise CliError("--max-tokens must be >= 1")
-    if args.temperature < 0:
-        raise CliError("--temperature must be >= 0")
+    import dataclasses
+
+    from preft_jax.sampling import SamplingError, flag_error
+    try:                        # the flags first: a bad value is one line before the model loads
+        sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens)
+    except SamplingError as e:
+        raise CliError(flag_error(e, {"temperature": "--temperature", "max_new_tokens": "--max-tokens"})) from None
     mesh = _parse_mesh(args.mesh)
     cfg, params, tok = _load_model(args.model, args.no_cache, args.quiet, mesh, args.dtype)
     weights = _load_adapter_weights(cfg, folders)
@@ -171,8 +174,7 @@ def cmd_generate(args) -> int:
                            cpu_binding=args.cpu_binding,
                            max_invocation_tokens=max([16] + [len(w.config.policy.invocation_tokens or ())
                                                              for w in weights.values()]))
-    sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_tokens,
-                        stop_token_ids=tuple(tok.eos_token_ids))
+    sp = dataclasses.replace(sp, stop_token_ids=tuple(tok.eos_token_ids))
     from serve.errors import InvocationMissingError
     try:
         result = engine.generate([(prompt_ids, args.use, sp)])[0]
@@ -195,6 +197,8 @@ def cmd_server(args) -> int:
     from serve.access import ServerConfig
     from serve.server import create_app, serve_forever
     folders = _parse_adapters(args.adapter)
+    if not 0 <= args.port <= 65535:          # else the socket takes it modulo 65536: another port
+        raise CliError(f"--port must be in [0, 65535], got {args.port}")
     try:
         server_config = ServerConfig(api_key=args.api_key, admin_key=args.admin_key,
                                      allow_unauthenticated_admin=args.allow_unauthenticated_admin,

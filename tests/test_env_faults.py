@@ -820,3 +820,77 @@ def test_server_flags_refused_at_startup(tmp_path, flag, value, words):
              _env(HOME=tmp_path), timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == words, r.stderr[-2000:]
+
+
+def test_a_hash_memo_of_another_json_shape_is_a_stale_memo(tmp_path):
+    """A memo record that is valid JSON but not an object ([], null) crashed every later run
+    (AttributeError); it is a stale memo: the digest is recomputed (hashlib, the reference) and the
+    memo rewritten."""
+    import hashlib
+
+    from preft_jax.cache.content_hash import _memo_path, content_hash
+    f = tmp_path / "weights.bin"
+    f.write_bytes(os.urandom(4096))
+    want = hashlib.sha256(f.read_bytes()).hexdigest()
+    memo = tmp_path / "memo"
+    assert content_hash(f, memo_dir=memo) == want
+    record = _memo_path(f.resolve(), memo)
+    for junk in ("[]", "null", "1", '"x"'):
+        record.write_text(junk)
+        assert content_hash(f, memo_dir=memo) == want
+        assert json.loads(record.read_text())["sha256"] == want
+
+
+def test_cache_paths_that_cannot_be_looked_at_are_absent(tmp_path):
+    """pathlib's is_dir() raises for a name too long or a folder above that cannot be entered; the
+    cache reports such a root as one that cannot be created (one line), never a traceback."""
+    from preft_jax.cache.location import is_folder
+    from preft_jax.cache.status import report_unwritable
+    long = tmp_path / ("a" * 300)
+    assert is_folder(tmp_path) and not is_folder(long) and not is_folder(long / "x")
+    r = _run(GENERATE + ["--cpu-decode", "xla"], _env(PREFT_JAX_CACHE_DIR=long))
+    _no_crash(r)
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [
+        f"preft_jax cache: cannot create {long} (File name too long: {long / 'jax'}): running without the persistent "
+        f"caches (set PREFT_JAX_CACHE_DIR to a writable folder, or PREFT_JAX_NO_CACHE=1 to turn the caches off)"]
+    assert report_unwritable(long / "weights", "test") in (True, False)     # in-process too: no exception
+
+
+def test_an_unusable_jax_compilation_cache_dir_is_one_line(tmp_path):
+    """The user's JAX_COMPILATION_CACHE_DIR is a file: the cache line, and not jax's warnings on every
+    program it then failed to read."""
+    afile = tmp_path / "jccd"
+    afile.write_text("")
+    r = _run(GENERATE + ["--cpu-decode", "xla"], _env(JAX_COMPILATION_CACHE_DIR=afile, PREFT_JAX_CACHE_DIR=tmp_path / "c"))
+    _no_crash(r)
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [
+        f"preft_jax cache: cannot create {afile} (File exists: {afile}): running without the persistent caches (set "
+        f"PREFT_JAX_CACHE_DIR to a writable folder, or PREFT_JAX_NO_CACHE=1 to turn the caches off)"]
+
+
+def test_a_cxx_that_is_not_a_command_line_falls_back_with_one_line(tmp_path):
+    r = _run(GENERATE + ["--cpu-decode", "auto"], _env(CXX='g++ "', PREFT_JAX_CACHE_DIR=tmp_path / "c"))
+    _no_crash(r)
+    assert _lines(r.stderr, "native CPU library") == [
+        "cannot build the native CPU library: $CXX='g++ \"' cannot be read as a command (No closing quotation); "
+        "the XLA path is used instead"]
+
+
+@pytest.mark.parametrize("args,line", [
+    (["-m", "preft_jax", "hi", "--top-p", "0"], "error: --top-p must be in (0, 1], got 0.0"),
+    (["-m", "preft_jax", "hi", "--temperature", "nan"], "error: --temperature must be a finite number, got nan"),
+    (["-m", "preft_jax", "hi", "--seed", str(2 ** 70)],
+     f"error: --seed must fit in 64 bits (a signed integer), got {2 ** 70}"),
+    (GENERATE[:-1] + ["99999999999"], "error: --max-tokens must be in [1, 2147483647], got 99999999999"),
+    (GENERATE + ["--temperature", "inf"], "error: --temperature must be a finite number, got inf"),
+    (["-m", "serve", "server", "--model", "tiny", "--port", "99999"], "error: --port must be in [0, 65535], got 99999"),
+    (["-m", "benchmarks.decode_dispatch", "--calls", "0"],
+     "decode_dispatch.py: error: argument --calls: must be >= 1, got 0"),
+])
+def test_bad_flag_values_are_one_line(tmp_path, args, line):
+    """Sampling flags are checked before the model loads (they were SamplingError / OverflowError
+    tracebacks), the server's port before it binds (99999 bound port 34463), a benchmark's counts by
+    argparse (a StatisticsError traceback)."""
+    r = _run(args, _env(HOME=tmp_path), timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == line, r.stderr[-2000:]

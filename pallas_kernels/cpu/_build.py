@@ -186,7 +186,10 @@ def compilers() -> list[list[str]]:
     """The compiler commands to try: [$CXX] when set, else those of COMPILERS found on PATH."""
     cxx = os.environ.get("CXX", "").strip()
     if cxx:
-        return [shlex.split(cxx)]                 # only it: the user chose it
+        try:
+            return [shlex.split(cxx)]             # only it: the user chose it
+        except ValueError as e:                   # e.g. an unmatched quote
+            raise BuildError(f"$CXX={cxx!r} cannot be read as a command ({e})") from None
     return [[c] for c in COMPILERS if shutil.which(c)]
 
 

@@ -15,7 +15,7 @@ import os
 import pathlib
 import warnings
 
-from preft_jax.cache.location import ENV_NO_CACHE, cache_disabled_by_env, compilation_dir, writable_reason
+from preft_jax.cache.location import ENV_NO_CACHE, cache_disabled_by_env, compilation_dir, is_folder, writable_reason
 from preft_jax.cache.status import record_compilation, report_unwritable
 
 # jax/_src/compiler.py warns this once per program it fails to save
@@ -46,8 +46,10 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *, min_compi
     why = writable_reason(target)
     if why:
         report_unwritable(target, why)
-        if not (target.is_dir() and os.access(target, os.R_OK | os.X_OK)):
+        if not (is_folder(target) and os.access(target, os.R_OK | os.X_OK)):
             record_compilation("unavailable", target, why)
+            if current:      # the user's JAX_COMPILATION_CACHE_DIR: jax would warn on every program it reads
+                jax.config.update("jax_compilation_cache_dir", None)
             return None
         # Reuse what is there; JAX would warn for every program it cannot save.
         warnings.filterwarnings("ignore", message=_WRITE_WARNING, category=UserWarning)

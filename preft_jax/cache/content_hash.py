@@ -45,6 +45,8 @@ def content_hash(path: str | os.PathLike, *, memo: bool = True,
     fields = _stat_fields(st)
     try:
         record = json.loads(record_path.read_text(encoding="utf-8"))
+        if not isinstance(record, dict):           # valid JSON of another shape ([], null): a stale memo
+            raise ValueError("not a memo record")
         if record.get("path") == str(path) and all(record.get(k) == v for k, v in fields.items()):
             digest = record.get("sha256")
             if isinstance(digest, str) and len(digest) == 64:

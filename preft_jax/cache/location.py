@@ -95,6 +95,15 @@ def native_dir() -> pathlib.Path:
     return cache_root() / "cpu_native"
 
 
+def is_folder(path: str | os.PathLike) -> bool:
+    """`path` is a folder this process can see. pathlib's is_dir() raises for a folder above it that
+    cannot be entered (permission denied) or a name too long; a cache treats all of those as absent."""
+    try:
+        return pathlib.Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def writable_reason(path: str | os.PathLike) -> str:
     """"" when files can be created in the directory `path` (created, with its parents, if missing),
     else why not (e.g. "Permission denied: /x"). Probes by creating and removing a file:

@@ -17,7 +17,7 @@ import os
 import pathlib
 import threading
 
-from preft_jax.cache.location import cache_disabled_by_env, cache_root, ENV_CACHE_DIR, ENV_NO_CACHE
+from preft_jax.cache.location import cache_disabled_by_env, cache_root, ENV_CACHE_DIR, ENV_NO_CACHE, is_folder
 
 log = logging.getLogger("preft_jax.cache")
 _lock = threading.Lock()
@@ -46,7 +46,7 @@ def report_unwritable(path: str | os.PathLike, reason: str) -> bool:
         if key in _unwritable:
             return False
         _unwritable[key] = reason
-    if where.is_dir():
+    if is_folder(where):
         log.warning("preft_jax cache: %s is read-only (%s): entries already there are reused, new ones are not "
                     "saved (%s)", where, reason, HINT)
     else:
@@ -76,12 +76,12 @@ def status() -> dict:
         weights = {"state": "off", "reason": f"{ENV_NO_CACHE}=1"}
     else:
         why = unwritable_reason(root / "weights")
-        weights = ({"state": "read_only" if root.is_dir() else "unavailable", "reason": why} if why
+        weights = ({"state": "read_only" if is_folder(root) else "unavailable", "reason": why} if why
                    else {"state": "on", "reason": ""})
     native = library_status()
     with _lock:
         unwritable = dict(_unwritable)
-    degraded = [f"cache {where} {'is read-only' if pathlib.Path(where).is_dir() else 'cannot be created'}: {why}"
+    degraded = [f"cache {where} {'is read-only' if is_folder(where) else 'cannot be created'}: {why}"
                 for where, why in unwritable.items()]
     if native["state"] in ("unavailable", "temporary"):
         degraded.append(f"native CPU library {native['state']}: {native['reason']}")

@@ -29,7 +29,7 @@ from typing import Mapping
 import numpy as np
 
 from preft_jax.cache.atomic import discard_dir, publish_dir, temp_sibling
-from preft_jax.cache.location import weights_dir, writable_reason
+from preft_jax.cache.location import is_folder, weights_dir, writable_reason
 from preft_jax.cache.status import report_unwritable, unwritable_reason
 
 log = logging.getLogger("preft_jax.cache")
@@ -97,7 +97,7 @@ class WeightStore:
     def load(self, key: str) -> CacheEntry | None:
         """The verified entry, or None on a miss. A corrupt entry is deleted (with a warning)."""
         path = self.entry_path(key)
-        if not path.is_dir():
+        if not is_folder(path):
             return None
         try:
             return read_entry(path, key)
