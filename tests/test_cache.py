@@ -366,3 +366,21 @@ def test_without_any_home_the_cache_is_a_private_temporary_folder_or_none(monkey
     root = location.cache_root()
     assert str(root).startswith(os.devnull + "/") and _build.libraries_dir() == root / "cpu_native"
     assert location.writable_reason(root)                   # cannot be created: no persistent caches
+
+
+def test_a_file_where_an_entry_belongs_is_replaced_and_cleared(tmp_path, caplog):
+    """A stray file at an entry's path made every store silently drop the entry (the path existed):
+    each run converted the model again and said nothing. It is removed with one line and the entry
+    written; `clear` removes stray files too."""
+    store = WeightStore(tmp_path / "s")
+    arrays = {"a": np.arange(5, dtype=np.float32)}
+    store.root.mkdir(parents=True)
+    store.entry_path("k").write_bytes(b"junk")
+    assert store.load("k") is None
+    with caplog.at_level(logging.WARNING, logger="preft_jax.cache"):
+        assert store.store("k", arrays) == store.entry_path("k")
+    assert [r.getMessage() for r in caplog.records if "not a cache entry" in r.getMessage()] == [
+        f"preft_jax cache: {store.entry_path('k')} was not a cache entry (a file): removed it"]
+    np.testing.assert_array_equal(store.load("k").arrays["a"], arrays["a"])
+    (store.root / "stray").write_bytes(b"x")
+    assert store.clear() == 1 and list(store.root.iterdir()) == []

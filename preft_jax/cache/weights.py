@@ -130,6 +130,9 @@ class WeightStore:
             self._remove_stale_temps()
             if final.is_dir():
                 return final
+            if os.path.lexists(final):        # a stray file (or link) where the entry belongs: else every
+                os.unlink(final)              # run would convert again and never say why
+                log.warning("preft_jax cache: %s was not a cache entry (a file): removed it", final)
             need = sum(np.asarray(a).nbytes for a in arrays.values()) + sum(len(b) for b in files.values())
             free = shutil.disk_usage(self.root).free
             if free < need + _DISK_MARGIN:
@@ -186,9 +189,11 @@ class WeightStore:
         n = 0
         if self.root.is_dir():
             for p in list(self.root.iterdir()):
-                if p.is_dir():
+                if p.is_dir() and not p.is_symlink():
                     discard_dir(p)
                     n += not p.name.startswith(".")
+                else:                         # stray files (and a writer's leftovers) go too
+                    p.unlink(missing_ok=True)
         return n
 
 
