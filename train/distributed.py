@@ -11,7 +11,8 @@ One Python process per host (or per GPU), all running the same program (multi-co
   process-major, so that each process's devices hold a contiguous block of every batch.
 * `local_rows` / `put_batch`: each process reads only its rows of a global batch and the global
   array is assembled with `jax.make_array_from_process_local_data`.
-* `is_primary` (process 0 writes metrics, logs and exports), `gather_to_host`, `global_max`, `barrier`.
+* `is_primary` (process 0 writes metrics, logs and exports), `gather_to_host`, `global_max`,
+  `on_primary` (process 0's work, its outcome shared); `lost_peer` / `abandon` (a run whose peer is gone).
 """
 from __future__ import annotations
 
@@ -318,9 +319,3 @@ def abandon(code: int) -> None:
             pass
     logging.shutdown()
     os._exit(code)
-
-
-def barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
