@@ -195,7 +195,7 @@ def _configure_logging(level: str) -> None:
 
 def cmd_server(args) -> int:
     from serve.access import ServerConfig
-    from serve.server import create_app, serve_forever
+    from serve.server import ListenError, create_app, listen_socket, serve_forever
     folders = _parse_adapters(args.adapter)
     if not 0 <= args.port <= 65535:          # else the socket takes it modulo 65536: another port
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
@@ -209,6 +209,11 @@ def cmd_server(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     mesh = _parse_mesh(args.mesh)
+    try:
+        sock = listen_socket(args.host, args.port)          # before the model: a bad address fails at once
+    except ListenError as e:
+        raise CliError(str(e)) from None
+    port = sock.getsockname()[1]                            # --port 0: the one the system picked
     cfg, params, tok = _load_model(args.model, args.no_cache, args.quiet, mesh, args.dtype)
     weights = _load_adapter_weights(cfg, folders)
     engine = _build_engine(cfg, params, tok, weights, capacity=args.max_device_adapters, lora_rank=args.lora_rank,
@@ -240,9 +245,9 @@ def cmd_server(args) -> int:
     admin = ("admin key" if args.admin_key else "UNAUTHENTICATED" if args.allow_unauthenticated_admin
              else "disabled")
     print(f"serving {model_id!r} (+ {len(weights)} adapter(s), mode={args.mode}) on "
-          f"http://{args.host}:{args.port}/v1 (api key: {'on' if args.api_key else 'off'}, adapter admin: {admin})",
+          f"http://{args.host}:{port}/v1 (api key: {'on' if args.api_key else 'off'}, adapter admin: {admin})",
           file=sys.stderr, flush=True)
-    serve_forever(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve_forever(app, host=args.host, port=port, log_level=args.log_level, sock=sock)
     return 0
 
 

@@ -127,12 +127,39 @@ def _uvicorn_server(app: FastAPI, log_level: str):
                                   limit_concurrency=config.limit_concurrency))
 
 
-def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Runs uvicorn in this thread until SIGINT/SIGTERM, then shuts the engine down within its grace."""
-    server = _uvicorn_server(app, log_level)
-    server.config.host, server.config.port = host, port
+class ListenError(ValueError):
+    """The server's address cannot be listened on (the message names the flags and why)."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads, as vLLM binds its port
+    first: a host name that does not resolve or a port in use is one ListenError at once instead of
+    after minutes of loading, and the port stays this process's meanwhile (connections are refused,
+    not queued, until uvicorn listens)."""
     try:
-        server.run()
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ListenError(f"--host {host}: not an address of this machine ({getattr(e, 'strerror', None) or e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ListenError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    return sock
+
+
+def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                  sock: socket.socket | None = None) -> None:
+    """Runs uvicorn in this thread until SIGINT/SIGTERM, then shuts the engine down within its grace.
+    `sock`: the socket `listen_socket(host, port)` bound earlier (None: bound here)."""
+    sock = sock or listen_socket(host, port)
+    server = _uvicorn_server(app, log_level)
+    server.config.host, server.config.port = host, sock.getsockname()[1]
+    try:
+        server.run(sockets=[sock])
     finally:
         app.state.engine.shutdown(grace=0.0)
 
@@ -144,9 +171,7 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = listen_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = _uvicorn_server(app, log_level)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
