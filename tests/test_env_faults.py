@@ -229,16 +229,17 @@ def test_failing_compiler_falls_back_to_xla_with_one_line(tmp_path):
     r = _run(GENERATE, env)
     _no_crash(r)
     assert r.stderr.splitlines() == ["cannot build the native CPU library: compiling decode.cc failed: "
-                                     "$CXX=/bin/false exited with status 1; the XLA path is used instead"]
+                                     "$CXX=/bin/false exited with status 1; native CPU kernels are off in this process"]
     assert [p.name for p in (cache / "cpu_native").iterdir()] == []          # no empty key folder
     xla = _run(GENERATE + ["--cpu-decode", "xla"], _env(PREFT_JAX_CACHE_DIR=cache))
     _no_crash(xla)
     assert r.stdout == xla.stdout
     native = _run(GENERATE + ["--cpu-decode", "native"], env)
     assert native.returncode == 2
-    assert native.stderr.splitlines()[-1] == (
+    assert native.stderr.splitlines() == [         # the library's line, then the refusal: no "falls back"
+        r.stderr.splitlines()[0],
         "error: cpu_decode='native' is unavailable: cannot build the native CPU library: compiling decode.cc "
-        "failed: $CXX=/bin/false exited with status 1")
+        "failed: $CXX=/bin/false exited with status 1"]
 
 
 def test_hanging_compiler_is_killed_with_what_it_started(tmp_path):
@@ -256,8 +257,8 @@ def test_hanging_compiler_is_killed_with_what_it_started(tmp_path):
     assert time.monotonic() - t0 < 60
     assert json.loads(r.stdout.splitlines()[-1])["state"] == "unavailable"
     assert r.stderr.splitlines() == [f"cannot build the native CPU library: compiling decode.cc failed: $CXX={cxx} did "
-                                     f"not finish in 2 s and was killed ($PREFT_CPU_NATIVE_BUILD_TIMEOUT); the XLA "
-                                     f"path is used instead"]
+                                     f"not finish in 2 s and was killed ($PREFT_CPU_NATIVE_BUILD_TIMEOUT); native "
+                                     f"CPU kernels are off in this process"]
     assert [p.name for p in (cache / "cpu_native").iterdir()] == []
     left = subprocess.run(["pgrep", "-f", "sleep 987"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "the wrapper's child outlived the build"
@@ -344,7 +345,7 @@ def test_no_compiler_on_path(tmp_path):
     _no_crash(r)
     assert json.loads(r.stdout.splitlines()[-1])["state"] == "unavailable"
     assert r.stderr.splitlines() == ["cannot build the native CPU library: no C++ compiler found ($CXX is unset "
-                                     "and none of c++, clang++, g++ is on PATH); the XLA path is used instead"]
+                                     "and none of c++, clang++, g++ is on PATH); native CPU kernels are off in this process"]
 
 
 def test_unwritable_cache_builds_a_temporary_library(built_library, tmp_path, writable_again):
@@ -572,6 +573,14 @@ def test_sft_data_defaults_under_out_and_checks_an_existing_dataset(tmp_path):
     assert prepare_dataset(own, generation_params(512, 64, 0), {}).startswith(f"using the dataset in {own} as it is")
     with pytest.raises(DatasetMismatchError, match=r"holds a dataset without meta.json .*, so --n-eval 3 cannot apply"):
         prepare_dataset(own, generation_params(512, 3, 0), {"n_eval": "--n-eval 3"})
+    # --data naming a file (it said "[Errno 17] File exists" from mkdir), nothing written beside it
+    for name, hint in (("train.jsonl", f" (a dataset folder holds train.jsonl and eval.jsonl: pass --data {own})"),
+                       ("notes.txt", "")):
+        (own / name).write_text(rows)
+        with pytest.raises(DatasetMismatchError) as e:
+            prepare_dataset(own / name, generation_params(16, 4, 0), {})
+        assert str(e.value) == f"--data {own / name}: not a folder{hint}"
+    assert sorted(p.name for p in own.iterdir()) == ["notes.txt", "train.jsonl"]
 
 
 def test_sft_cli_refuses_a_stale_dataset_before_loading_anything(tmp_path):
@@ -873,7 +882,7 @@ def test_a_cxx_that_is_not_a_command_line_falls_back_with_one_line(tmp_path):
     _no_crash(r)
     assert _lines(r.stderr, "native CPU library") == [
         "cannot build the native CPU library: $CXX='g++ \"' cannot be read as a command (No closing quotation); "
-        "the XLA path is used instead"]
+        "native CPU kernels are off in this process"]
 
 
 @pytest.mark.parametrize("args,line", [
@@ -884,6 +893,8 @@ def test_a_cxx_that_is_not_a_command_line_falls_back_with_one_line(tmp_path):
     (GENERATE[:-1] + ["99999999999"], "error: --max-tokens must be in [1, 2147483647], got 99999999999"),
     (GENERATE + ["--temperature", "inf"], "error: --temperature must be a finite number, got inf"),
     (["-m", "serve", "server", "--model", "tiny", "--port", "99999"], "error: --port must be in [0, 65535], got 99999"),
+    (["-m", "serve", "server", "--model", "tiny", "--host", "192.0.2.1"],          # TEST-NET: not this machine's
+     "error: --host 192.0.2.1 --port 8000: cannot listen there (Cannot assign requested address)"),
     (["-m", "benchmarks.decode_dispatch", "--calls", "0"],
      "decode_dispatch.py: error: argument --calls: must be >= 1, got 0"),
 ])
@@ -894,3 +905,22 @@ def test_bad_flag_values_are_one_line(tmp_path, args, line):
     r = _run(args, _env(HOME=tmp_path), timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == line, r.stderr[-2000:]
+
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
+    """The server binds its port first (it bound after loading the model and warming up: minutes, then
+    uvicorn's "address already in use" and exit 3)."""
+    import socket
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()                                      # another server on it
+    port = held.getsockname()[1]
+    try:
+        r = _run(["-m", "serve", "server", "--model", str(tmp_path / "no-such-model"), "--port", str(port)],
+                 _env(HOME=tmp_path), timeout=300)
+    finally:
+        held.close()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [          # the model (which does not exist) was never looked at
+        f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"]

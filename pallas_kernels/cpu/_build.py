@@ -331,7 +331,7 @@ def load() -> str:
         except (OSError, BuildError) as e:
             reason = f"cannot build the native CPU library: {e}"
             _status.update(state="unavailable", path=None, size=None, reason=reason)
-            log.warning("%s; the XLA path is used instead", reason)
+            log.warning("%s; native CPU kernels are off in this process", reason)
             return reason
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(so, symbol)), platform="cpu")
