@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from adapter_factory import random_lora, random_reft
+from greedy_reference import first_tokens
 from preft_jax.adapters.bank import build_bank
 from preft_jax.config import tiny_config
 from preft_jax.generation import ModelRunner
@@ -48,12 +49,12 @@ def _requests(seed, n=7):
             for i in range(n)]
 
 
+_REFS: dict = {}
+
+
 def _alone(runner, prompt, name, n):
-    sp = SamplingParams(max_new_tokens=n, stop_token_ids=NO_STOP)
-    if name is None:
-        return runner.generate([prompt], sp)[0].tokens
-    w = with_policy(ADAPTERS[name], "prefill")
-    return runner.generate([prompt], sp, bank=build_bank(CFG, [w]), adapter_ids=[1])[0].tokens
+    bank = None if name is None else build_bank(CFG, [with_policy(ADAPTERS[name], "prefill")])
+    return first_tokens(runner, prompt, n, bank, memo=_REFS, key=(tuple(prompt), name))
 
 
 def _compiled(runner):
