@@ -19,6 +19,8 @@ from serve.errors import AdapterFitError, InvocationMissingError
 from serve.registry import AdapterRegistry
 from serve.step_runner import ADAPTER, CHUNK, DecodeCall
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 PARAMS = random_params(CFG, seed=0)
 NO_STOP = (-1,)

@@ -19,6 +19,8 @@ from serve.errors import (AdapterExistsError, AdapterInUseError, AdapterLoadErro
                           PromptTooLongError, RequestError, UnknownAdapterError)
 from serve.registry import AdapterRegistry
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 PARAMS = random_params(CFG, seed=0)
 M = 10                                  # reference generations run M tokens, then are truncated

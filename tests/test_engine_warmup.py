@@ -21,7 +21,8 @@ from serve.engine import Engine, EngineConfig
 from serve.registry import AdapterRegistry, with_policy
 from serve.step_runner import decode_step, handoff_tokens
 
-pytestmark = pytest.mark.slow      # whole module; README "Tests" names where its fast path is covered
+pytestmark = [pytest.mark.slow,      # whole module; README "Tests" names where its fast path is covered
+              pytest.mark.usefixtures("cheap_codegen")]
 
 CFG = tiny_config()
 NO_STOP = (-1,)

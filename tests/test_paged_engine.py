@@ -20,6 +20,8 @@ from reference_llama import random_params
 from serve.engine import Engine, EngineConfig
 from serve.registry import AdapterRegistry, with_policy
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 NO_STOP = (-1,)
 LAST1 = PositionPolicy(last_k=1)
