@@ -20,6 +20,8 @@ from serve.engine import Engine, EngineConfig
 from serve.errors import DeadlineExceededError, EngineError, QueueFullError, RequestError, UnavailableError
 from serve.registry import AdapterRegistry
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 POISON = 251            # a prompt containing this token id makes the faulty runner's prefill fail
 NO_STOP = (-1,)

@@ -18,6 +18,8 @@ from serve.registry import AdapterRegistry
 from serve.scheduler import fair_pick
 from serve.validation import check_request_group
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 NO_STOP = (-1,)
 

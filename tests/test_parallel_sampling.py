@@ -20,6 +20,8 @@ from serve.engine import Engine, EngineConfig
 from serve.errors import RequestError
 from serve.registry import AdapterRegistry, with_policy
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 NO_STOP = (-1,)
 LORA = random_lora(CFG, 1)

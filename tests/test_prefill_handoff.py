@@ -19,6 +19,8 @@ from serve.engine import Engine, EngineConfig
 from serve.errors import EngineError
 from serve.registry import AdapterRegistry
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 NO_STOP = (-1,)
 
