@@ -3,8 +3,6 @@ and their figures against docs/memory.md and against a real run's peak RSS.
 
 Plans on several fake CPU devices run in subprocesses (the device count is fixed when jax starts).
 """
-import json
-import pathlib
 import re
 import textwrap
 
