@@ -11,6 +11,8 @@ import pytest
 from preft_jax.adapters import apply, context
 from preft_jax.adapters.context import AdapterContext, pallas_lowers_on, resolve_backend
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 N, T, D_IN, D_OUT, R = 6, 40, 32, 24, 4
 CASES = [("jnp", "gather"), ("jnp", "grouped"), ("xla", "gather"), ("xla", "grouped"),
          ("pallas", "gather"), ("pallas", "grouped")]

@@ -18,6 +18,8 @@ from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams
 from reference_llama import random_params
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config(n_layers=2)
 ALL = PositionPolicy(mode="all")
 BACKENDS = ("jnp", "xla", "pallas")

@@ -22,6 +22,8 @@ from preft_jax.paged_step import decode_advance, paged_decode_steps, paged_step
 from preft_jax.lowering import lower_for
 from reference_llama import random_params
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 BS = 16
 

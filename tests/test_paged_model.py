@@ -17,6 +17,8 @@ from preft_jax.paged_step import paged_logits
 from preft_jax.lowering import lower_for
 from reference_llama import random_params
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 BS = 4          # block size
 NB = 40         # blocks in the pool

@@ -16,6 +16,8 @@ from experiments.rl_study import StudyData, run_study
 from train.config import OptimizerConfig
 from train.grpo import GRPOConfig
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 
 

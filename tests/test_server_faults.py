@@ -25,6 +25,8 @@ from preft_jax.adapters.reft_io import save_reft
 from benchmarks.server_process import ServerProcess
 from preft_jax.config import tiny_config
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 ADMIN = "admin-key-123"
 API = "api-key-456"
 CFG = tiny_config(max_seq_len=1024)          # what `--model tiny` builds

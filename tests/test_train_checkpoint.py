@@ -20,6 +20,8 @@ from train.data import Tokenized, pad_batch
 from train.config import AdapterSpec, CheckpointConfig, OptimizerConfig
 from train.sft import SFTConfig, SFTTrainer
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 sequence_logits = jax.jit(sequence_logits, static_argnums=0)
 

@@ -15,6 +15,8 @@ from train.common import token_logprobs
 from train.config import AdapterSpec, OptimizerConfig
 from train.grpo import GRPOConfig, GRPOTrainer, group_advantages, grpo_objective, k3_kl
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 
 

@@ -19,6 +19,8 @@ from train.config import AdapterSpec, OptimizerConfig
 from train.data import Tokenized, pad_batch
 from train.sft import SFTConfig, SFTTrainer, _parse, batch_arrays, sft_loss as _sft_loss
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 # jitted once per shape (eager calls would re-trace the layer scan every time)
 sft_loss = jax.jit(_sft_loss, static_argnums=(0, 1, 2, 6))
