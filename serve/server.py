@@ -140,7 +140,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as e:
-        raise ListenError(f"--host {host}: not an address of this machine ({getattr(e, 'strerror', None) or e})") from None
+        raise ListenError(f"--host {host}: does not resolve ({getattr(e, 'strerror', None) or e})") from None
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
