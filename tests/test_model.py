@@ -10,6 +10,8 @@ from preft_jax.model import Llama
 from preft_jax.sampling import SamplingParams
 from reference_llama import random_params, reference_logits
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 
 

@@ -23,6 +23,8 @@ from serve.byte_tokenizer import ByteTokenizer  # noqa: E402
 from serve.tiny_model import tiny_params  # noqa: E402
 from test_server_faults import Server  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config(max_seq_len=1024)          # what `--model tiny` builds
 TOK = ByteTokenizer()
 MSGS = [{"role": "user", "content": "hi there"}]

@@ -22,6 +22,8 @@ from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.registry import AdapterRegistry  # noqa: E402
 from serve.server import BackgroundServer, create_app  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 BASE = "tiny-base"
 BOS, EOS = 1, 2
 

@@ -24,6 +24,8 @@ from train.data import Tokenized
 from train.sft import SFTConfig, SFTTrainer
 from train.trainer import ResumeError
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 
 

@@ -19,6 +19,8 @@ from train.config import AdapterSpec, ModelOptions, OptimizerConfig
 from train.data import Tokenized
 from train.sft import SFTConfig, SFTTrainer, _parse
 
+pytestmark = pytest.mark.usefixtures("cheap_codegen")     # conftest: many small programs, run briefly
+
 CFG = tiny_config()
 BAND_STEP, BAND_MEAN = 0.08, 0.03
 
