@@ -907,7 +907,6 @@ def test_bad_flag_values_are_one_line(tmp_path, args, line):
     assert r.stderr.strip().splitlines()[-1] == line, r.stderr[-2000:]
 
 
-
 def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
     """The server binds its port first (it bound after loading the model and warming up: minutes, then
     uvicorn's "address already in use" and exit 3)."""

@@ -14,7 +14,7 @@ from benchmarks import memory_plan as mp
 GiB = 1 << 30
 
 # Weight-heavy small Llama (per layer 24 MiB of bf16 weights, 8 layers) planned on fake devices.
-# Plans compile with fake_devices.CHEAP_CODEGEN (the buffer assignment, hence every byte figure, is made
+# Plans compile with run_on_fake_devices(cheap_codegen=True) (the buffer assignment, hence every byte figure, is made
 # before the codegen it makes cheaper; plans never run the code).
 SMALL = textwrap.dedent(r"""
     import json
@@ -129,7 +129,7 @@ def test_docs_table_is_parsed():
 @pytest.fixture(scope="module")
 def planned_peaks(tmp_path_factory) -> dict:
     """{row: per-device peak bytes, or the error} of every docs/memory.md row, planned in ONE process
-    (a process per row paid jax's start-up 13 times) with cheaper LLVM codegen (fake_devices.CHEAP_CODEGEN:
+    (a process per row paid jax's start-up 13 times) with cheaper codegen (`cheap_codegen=True`:
     the same peaks; 2026-12-07, the grpo-8b-1x80 and sft-smollm2-f32 rows to the byte)."""
     folder = tmp_path_factory.mktemp("plans")
     rows = {row: argv + ["--json", str(folder / f"{row}.json")] for row, (argv, _) in ROWS.items()}

@@ -102,9 +102,9 @@ def prepare_dataset(folder: str | os.PathLike, params: dict, given: dict[str, st
     """
     folder = pathlib.Path(folder)
     if os.path.lexists(folder) and not folder.is_dir():
-        hint = (f" (a dataset folder holds {split_path('', 'train')} and {split_path('', 'eval')}: pass "
-                f"--data {folder.parent})" if folder.name in (split_path("", "train").name,
-                                                             split_path("", "eval").name) else "")
+        train, evals = split_path("", "train").name, split_path("", "eval").name
+        hint = (f" (a dataset folder holds {train} and {evals}: pass --data {folder.parent})"
+                if folder.name in (train, evals) else "")
         raise DatasetMismatchError(f"--data {folder}: not a folder{hint}")
     if not split_path(folder, "train").is_file():
         write_dataset(folder, **params)
