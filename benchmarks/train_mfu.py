@@ -2,6 +2,7 @@
 
     python -m benchmarks.train_mfu [--model llama-3.1-8b] [--task sft,grpo] [--seq 1024] [--batch 8]
                                    [--rank 16] [--dtype bf16] [--rounds 3] [--peak TFLOP/s] [--explain] [--profile]
+                                   [--attention auto[,xla]]
 
 Random base weights of the model's shape in `--dtype` (the activations' dtype), LoRA r16 on
 q/k/v/o/gate/up/down of every layer (float32 adapter params and AdamW state, the trainers' own), a
@@ -60,18 +61,26 @@ def synthetic_batch(cfg, batch: int, seq: int, prompt_len: int, seed: int = 0) -
 
 
 def trainers(model: str, dtype, tasks, rank: int, batch: int, seq: int, backend: str = "auto",
-             logit_chunk: int | None = 64):
+             logit_chunk: int | None = 64, chunk_attention: str = "auto", base=None):
     """{task: trainer} on one random base model of `model`'s shape (`logit_chunk`: the trainers' LM
-    head chunking; None = one unchunked, not rematerialized projection)."""
+    head chunking; None = one unchunked, not rematerialized projection; `chunk_attention`: the
+    model's, preft_jax.chunk_attention; `base`: an earlier call's runner whose weights are reused)."""
     from flax import nnx
 
+    from preft_jax import chunk_attention as ca
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
     from train.config import AdapterSpec, OptimizerConfig
     from train.grpo import GRPOConfig, GRPOTrainer
     from train.sft import SFTConfig, SFTTrainer
     cfg = cm.MODEL_CONFIGS[model]
-    runner = ModelRunner(Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype, adapter_backend=backend))
+    if base is None:
+        runner = ModelRunner(Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype, adapter_backend=backend,
+                                   chunk_attention=chunk_attention))
+    else:                                       # the same weights (no copy), another attention
+        m = nnx.merge(base.graphdef, base.state)
+        m.chunk_attention = ca.resolve(chunk_attention, m.dtype)
+        runner = ModelRunner(m)
     spec = AdapterSpec(kind="lora", rank=rank, mode="prefill", targets=TARGETS)
     out = {}
     if "sft" in tasks:
@@ -113,7 +122,7 @@ def orientation_cases(cfg, dtype, tokens: int) -> dict:
 
 
 def build_cases(task: str, tr, cfg, batch: int, seq: int, prompt_len: int, label: str = "",
-                ratio: bool = True) -> dict:
+                ratio: bool = True, step_label: str = "") -> dict:
     host = synthetic_batch(cfg, batch, seq, prompt_len)
     if task == "grpo":
         host["advantages"] = np.random.default_rng(1).normal(size=(batch,)).astype(np.float32)
@@ -130,9 +139,9 @@ def build_cases(task: str, tr, cfg, batch: int, seq: int, prompt_len: int, label
     if label:
         return cases
     if task == "sft":
-        cases["sft step (SFTTrainer.step)"] = Case(lambda s: tr.step(s, dev), tr.init_state())
+        cases[f"sft step (SFTTrainer.step){step_label}"] = Case(lambda s: tr.step(s, dev), tr.init_state())
     else:
-        cases["grpo update (GRPOTrainer.update: reference forward + step)"] = Case(
+        cases[f"grpo update (GRPOTrainer.update: reference forward + step){step_label}"] = Case(
             lambda s: tr.update(s, host), tr.init_state())
     return cases
 
@@ -158,10 +167,12 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
     hw = hw or hardware(dtype, None, args.peak and args.peak * 1e12, measure=not args.no_measure)
     log(f"# {hw.line()}")
     t0 = time.perf_counter()
-    cfg, runner, trs = trainers(args.model, dtype, args.task, args.rank, args.batch, args.seq, args.backend)
-    log(f"# {args.model} {args.dtype} built in {time.perf_counter() - t0:.1f} s; tasks {list(trs)}")
+    cfg, runner, trs = trainers(args.model, dtype, args.task, args.rank, args.batch, args.seq, args.backend,
+                                chunk_attention=args.attention[0])
+    log(f"# {args.model} {args.dtype} built in {time.perf_counter() - t0:.1f} s; tasks {list(trs)}; "
+        f"chunk attention {runner.chunk_attention}")
     shape = cm.shape(args.model)
-    cases, flops = {}, {}
+    cases, flops, extra = {}, {}, {}
     f = cm.lora_train_flops(shape, args.batch, args.seq, TARGETS, args.rank)
     ref_fwd = f["forward"] - 2 * f["lora_params"] * f["tokens"]
     for task, tr in trs.items():
@@ -176,11 +187,25 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
             flops[name] = (f["forward"] if "forward (loss)" in name else
                            f["total"] + (ref_fwd if task == "grpo" and "update" in name else 0))
         cases.update(c)
+    others = {}                              # the step of each task again, with another chunk attention
+    for choice in args.attention[1:]:
+        _, other, more = trainers(args.model, dtype, args.task, args.rank, args.batch, args.seq, args.backend,
+                                  chunk_attention=choice, base=runner)
+        if other.chunk_attention == runner.chunk_attention or other.chunk_attention in others:
+            continue
+        others[other.chunk_attention] = True
+        for task, tr in more.items():
+            c = build_cases(task, tr, cfg, args.batch, args.seq, args.prompt_len, ratio=False,
+                            step_label=f", attention {other.chunk_attention}")
+            for name in c:
+                flops[name] = f["total"] + (ref_fwd if task == "grpo" else 0)
+            extra.update(c)
     if args.explain or getattr(args, "orientation", False):
         c = orientation_cases(cfg, dtype, args.batch * args.seq)
         for name in c:
             flops[name] = 2 * args.batch * args.seq * cfg.d_model * cfg.ffn_dim
         cases.update(c)
+    cases.update(extra)                      # last: skipped first when the deadline comes
     failed = []
     for name, case in list(cases.items()):
         if deadline is not None and time.perf_counter() > deadline:
@@ -210,7 +235,8 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
         for name in cases:
             if "forward" in name:
                 prof[name] = profile_ops(cases[name])
-    return {"hardware": hw, "times": times, "flops": flops, "profile": prof, "cost": f, "failed": failed}
+    return {"hardware": hw, "times": times, "flops": flops, "profile": prof, "cost": f, "failed": failed,
+            "attention": runner.chunk_attention}
 
 
 def report(args, res) -> list[str]:
@@ -220,7 +246,8 @@ def report(args, res) -> list[str]:
            f"- {cm.MODEL_NAMES[args.model]} shape, random weights, {args.dtype} base/activations, LoRA r{args.rank} on "
            f"{'/'.join(TARGETS)} ({f['lora_params'] / 1e6:.1f} M params, float32, AdamW float32), batch "
            f"{args.batch} x seq {args.seq} (prompt {args.prompt_len}); model FLOPs per step "
-           f"{f['total'] / 1e12:.3g} T (forward {f['forward'] / 1e12:.3g} T, backward {f['backward'] / 1e12:.3g} T)",
+           f"{f['total'] / 1e12:.3g} T (forward {f['forward'] / 1e12:.3g} T, backward {f['backward'] / 1e12:.3g} T); "
+           f"chunk attention {res['attention']} (preft_jax.chunk_attention)",
            "", "| what | ms: median (min-max) | model TFLOPs | MFU |", "|---|---:|---:|---:|"]
     for name, ts in times.items():
         t = statistics.median(ts)
@@ -236,6 +263,12 @@ def report(args, res) -> list[str]:
                            f"{min(ratios):.2f}-{max(ratios):.2f}x; model-FLOP ratio "
                            f"{f['backward'] / f['forward']:.2f}x, + the LM head recomputed: "
                            f"{(f['backward'] + f['head']) / f['forward']:.2f}x)")
+    for name in [k for k in times if ", attention " in k]:
+        main = name.split(", attention ")[0]
+        if main in times:
+            r = [b / a for a, b in zip(times[main], times[name])]
+            out.append(f"- {main}: attention {name.split(', attention ')[1]} / {res['attention']} = "
+                       f"{statistics.median(r):.2f}x the time (per round {min(r):.2f}-{max(r):.2f}x)")
     mm = [k for k in times if k.startswith("matmul")]
     if len(mm) == 2:
         r = [b / a for a, b in zip(times[mm[0]], times[mm[1]])]
@@ -259,6 +292,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dtype", default=None, choices=("f32", "bf16"), help="default: f32 on CPU, bf16 elsewhere")
     ap.add_argument("--backend", default="auto", choices=("auto", "jnp", "xla", "pallas"))
+    ap.add_argument("--attention", type=lambda s: s.split(","), default=["auto"],
+                    help="the model's chunk attention (preft_jax.chunk_attention: auto, xla, flash, flash:gpu, "
+                         "flash:tpu); more than one, comma-separated: each task's step again with each further "
+                         "one, on the same weights, timed side by side (e.g. auto,xla)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=1, help="calls per round per case")
     ap.add_argument("--peak", type=float, default=None, help="TFLOP/s (default: stated / measured)")
@@ -277,6 +314,10 @@ def finish_args(args):
     bad = [t for t in args.task if t not in ("sft", "grpo")]
     if bad:
         raise SystemExit(f"--task: unknown {bad}; choose from sft, grpo")
+    from preft_jax.chunk_attention import CHOICES
+    bad = [a for a in args.attention if a not in CHOICES]
+    if bad:
+        raise SystemExit(f"--attention: unknown {bad}; choose from {', '.join(CHOICES)}")
     return args
 
 

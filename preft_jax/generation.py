@@ -146,6 +146,7 @@ class ModelRunner:
         self.cfg = model.cfg
         self.dtype = model.dtype
         self.adapter_backend = model.adapter_backend
+        self.chunk_attention = model.chunk_attention               # forward_chunk's (preft_jax.chunk_attention)
         self.quantization = quantize.model_quantization(model)    # "int8" | "int4" | None
         self.graphdef, self.state = nnx.split(model)
         self.mesh = None

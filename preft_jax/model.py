@@ -34,6 +34,7 @@ from flax import nnx
 from preft_jax.adapters.bank import AdapterBank, LayerAdapters
 from preft_jax.adapters.context import AdapterContext, resolve_backend
 from preft_jax.config import PROJECTION_AXES, ModelConfig
+from preft_jax import chunk_attention as chunk_attn
 from preft_jax import paged_kv
 from preft_jax import quantize as quant
 from preft_jax import sharding as shd
@@ -108,11 +109,15 @@ class LayerStack(nnx.Module):
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, adapter_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, adapter_backend: str = "auto",
+                 chunk_attention: str | None = None):
         dtype = model_dtype(dtype)
         self.cfg = cfg
         self.dtype = dtype
         self.adapter_backend = resolve_backend(adapter_backend)     # "auto" resolved here, static
+        # forward_chunk's causal attention (preft_jax.chunk_attention; None: $PREFT_JAX_CHUNK_ATTENTION
+        # or "auto"), resolved here, static
+        self.chunk_attention = chunk_attn.resolve(chunk_attention, dtype)
         self.embed = param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), dtype) * 0.02,
                            ("vocab", "embed"))
         self.layers = LayerStack(cfg, rngs=rngs, dtype=dtype)
@@ -125,11 +130,14 @@ class Llama(nnx.Module):
 
     # ---- weights -------------------------------------------------------------------------------
     @classmethod
-    def from_params(cls, cfg: ModelConfig, params: dict, dtype=jnp.float32, adapter_backend: str = "auto"):
+    def from_params(cls, cfg: ModelConfig, params: dict, dtype=jnp.float32, adapter_backend: str = "auto",
+                    chunk_attention: str | None = None):
         """Builds the model from canonical params (see preft_jax.loading) without random init work.
         jax.Arrays in `dtype` are kept as they are placed (`preft_jax.loading.load_model_sharded`)."""
         dtype, adapter_backend = model_dtype(dtype), resolve_backend(adapter_backend)
-        model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, adapter_backend=adapter_backend))
+        chunk_attention = chunk_attn.resolve(chunk_attention, dtype)
+        model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, adapter_backend=adapter_backend,
+                                           chunk_attention=chunk_attention))
         expected = {"embed", "final_norm", *layer_param_names(cfg)} | (set() if cfg.tie_embeddings else {"lm_head"})
         missing = expected - set(params)
         if missing:
@@ -203,18 +211,6 @@ class Llama(nnx.Module):
     def _constrain_cache(self, cache):
         return None if cache is None else shd.constrain_tree(cache, shd.axis_units(self.cfg), "cache")
 
-    def _attention(self, q, k, v, mask):
-        """q: [B, T, H, hd]; k, v: [B, S, KV, hd]; mask: bool [B, T, S] -> [B, T, H, hd]."""
-        cfg = self.cfg
-        B, T, H, hd = q.shape
-        groups = H // cfg.n_kv_heads
-        q = q.reshape(B, T, cfg.n_kv_heads, groups, hd)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
-        return out.reshape(B, T, H, hd).astype(q.dtype)
-
     def _scan_layers(self, h, bank: AdapterBank | None, ctx, positions, attend, cache, layer_xs=None,
                      with_ys: bool = False, remat: bool = False):
         """Scans the layer body over the stacked weights, carrying `cache` (updated in place).
@@ -256,21 +252,22 @@ class Llama(nnx.Module):
         """tokens: int [B, T] at positions 0..T-1 (right-padded). Returns (hidden [B, T, d], cache).
 
         `ctx` (from `adapter_context`, B * T tokens) is required with a bank. Attention is causal
-        within the chunk. If `cache` is given, sequence b's K/V are written to cache slot
+        within the chunk (`self.chunk_attention`: preft_jax.chunk_attention's reference or a flash
+        kernel). If `cache` is given, sequence b's K/V are written to cache slot
         `slot_ids[b]` at positions 0..T-1 (padding positions too: they are never attended before
         decode overwrites them). remat: rematerialize each layer in the backward pass (training).
         """
         B, T = tokens.shape
         self._check_context(bank, ctx, B * T)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
         slots = None if cache is None else jnp.asarray(slot_ids, jnp.int32)[:, None]
+        units = shd.axis_units(self.cfg)
 
         def attend(layer, q, k, v, c):
             if c is not None:
                 c = KVCache(c.k.at[layer, slots, positions].set(k.astype(c.k.dtype), mode="drop"),
                             c.v.at[layer, slots, positions].set(v.astype(c.v.dtype), mode="drop"))
-            return self._attention(q, k, v, causal), c
+            return chunk_attn.causal_attention(q, k, v, self.chunk_attention, units), c
 
         h = self._constrain(quant.take(self.embed[...], tokens).astype(self.dtype), H_AXES)
         h, cache = self._scan_layers(h, bank, ctx, positions, attend, cache, remat=remat)
@@ -291,7 +288,7 @@ class Llama(nnx.Module):
         def attend(layer, q, k, v, c):
             kk = c.k.at[layer, rows, positions].set(k[:, 0].astype(c.k.dtype), mode="drop")
             vv = c.v.at[layer, rows, positions].set(v[:, 0].astype(c.v.dtype), mode="drop")
-            out = self._attention(q, kk[layer].astype(q.dtype), vv[layer].astype(q.dtype), mask)
+            out = chunk_attn.masked_attention(q, kk[layer].astype(q.dtype), vv[layer].astype(q.dtype), mask)
             return out, KVCache(kk, vv)
 
         h = self._constrain(quant.take(self.embed[...], tokens[:, None]).astype(self.dtype), H_AXES)

@@ -67,6 +67,7 @@ import jax                                 # noqa: E402
 import jax.numpy as jnp                    # noqa: E402
 import numpy as np                         # noqa: E402
 
+from preft_jax import chunk_attention     # noqa: E402
 from preft_jax.adapters import apply       # noqa: E402
 from preft_jax.adapters.context import AdapterContext, pallas_lowers_on, resolve_backend   # noqa: E402
 from preft_jax.lowering import error_line  # noqa: E402
@@ -675,7 +676,10 @@ def training_section(plan: Plan, rep: Report):
     t = plan.training
     args = tm.finish_args(tm.parser().parse_args(
         ["--model", t["model"], "--dtype", t["dtype"], "--batch", str(t["batch"]), "--seq", str(t["seq"]),
-         "--prompt-len", str(t["prompt_len"]), "--rank", str(t["rank"]), "--rounds", "2", "--no-measure"]))
+         "--prompt-len", str(t["prompt_len"]), "--rank", str(t["rank"]), "--rounds", "2", "--no-measure",
+         # each step again with the other chunk attention, on the same weights, last (skipped first when
+         # the budget runs out): flash kernel vs the XLA reference side by side (tiny: the GPU kernel interpreted)
+         "--attention", "auto,flash:gpu" if plan.tiny else "auto,xla"]))
     args.orientation, args.ratio_tasks = True, ["grpo"]
     res = tm.run(args, lambda m: print(m, flush=True), hw=rep.hardware, deadline=rep.section_deadline)
     lines = tm.report(args, res)
@@ -685,7 +689,7 @@ def training_section(plan: Plan, rep: Report):
                                f"{t['seq']}: {statistics.median(ts) * 1e3:.0f} ms, "
                                f"MFU {100 * res['flops'][name] / statistics.median(ts) / rep.hardware.peak:.0f}%")
     for line in lines:
-        if "backward / forward" in line:
+        if "backward / forward" in line or "/ " + res["attention"] + " = " in line:
             rep.summary.append(f"{cm.MODEL_NAMES[t['model']]} {line.lstrip('- ')}")
     return lines
 
@@ -749,7 +753,9 @@ def _main(args, argv, sections: list[str], log: WarningLog) -> int:
                   f"- command: `python scripts/device_check.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
                   f"- mode: {'tiny shapes, Pallas interpret mode (a smoke run, not a measurement)' if tiny else 'full shapes, compiled kernels'}",
                   f"- adapter backend `auto` resolves to `{resolve_backend('auto', platform)}` here; Pallas kernels "
-                  f"{'lower' if pallas_lowers_on(platform) else 'do not lower'} on {platform}",
+                  f"{'lower' if pallas_lowers_on(platform) else 'do not lower'} on {platform}; a bfloat16 model's "
+                  f"chunk attention (training, unpaged prefill) `auto` resolves to "
+                  f"`{chunk_attention.resolve('auto', jnp.bfloat16, platform)}`",
                   f"- {rep.hardware.line()}" + ("" if rep.hardware.memory is None or platform == "cpu" else
                                                  f" ({MEM_FRACTION_ENV}={os.environ[MEM_FRACTION_ENV]}"
                                                  f"{'' if fraction_chosen else ', set by this script'})"),
