@@ -84,7 +84,7 @@ class PlanSpec:
     rank: int = 16                        # trained LoRA rank (all 7 projections)
     seq: int = 2048
     batch: int = 8                        # global batch (SFT) / sequences per update (GRPO)
-    remat: bool = True                    # TrainerConfig.remat
+    remat: bool | str = True              # TrainerConfig.remat (a preft_jax.config.REMAT_POLICIES name too)
     logit_chunk: int = 64
     group_size: int = 8                   # GRPO: batch = prompts_per_step * group_size
     max_new_tokens: int = 512             # GRPO rollouts (prompt length = seq - max_new_tokens)
@@ -459,7 +459,11 @@ def describe(spec: PlanSpec) -> str:
                 f"{spec.max_num_batched_tokens}, mode {spec.mode}")
     extra = f", G={spec.group_size}, {spec.max_new_tokens} new tokens" if spec.task == "grpo" else ""
     return (f"LoRA r{spec.rank} (7 targets), batch {spec.batch} x seq {spec.seq}{extra}, "
-            f"remat {'on' if spec.remat else 'off'}")
+            f"remat {_remat_text(spec.remat)}")
+
+
+def _remat_text(remat) -> str:
+    return "on" if remat is True else "off" if remat is False else remat
 
 
 def report(p: Plan, device_memory: int | None) -> str:
@@ -511,6 +515,8 @@ def _parse(argv=None):
     g.add_argument("--seq", type=int, default=d.seq)
     g.add_argument("--batch", type=int, default=d.batch)
     g.add_argument("--no-remat", dest="remat", action="store_false")
+    g.add_argument("--remat", dest="remat", type=_remat_arg, help="full (the default) | off | a remat policy that "
+                   "also keeps some projections' outputs: save_qkvo, save_projections (preft_jax.config.REMAT_POLICIES)")
     g.add_argument("--logit-chunk", type=int, default=d.logit_chunk)
     g.add_argument("--group-size", type=int, default=d.group_size)
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -519,6 +525,15 @@ def _parse(argv=None):
                          "next to the plan (small models only: it allocates the plan's bytes)")
     ap.add_argument("--json", default=None, help="write the plan(s) to this file")
     return ap.parse_args(argv)
+
+
+def _remat_arg(text: str):
+    from preft_jax.config import REMAT_POLICIES
+    if text in ("off", "full"):
+        return text == "full"
+    if text not in REMAT_POLICIES:
+        raise argparse.ArgumentTypeError(f"choose from off, full, {', '.join(p for p in REMAT_POLICIES if p != 'full')}")
+    return text
 
 
 def spec_from_args(a, mesh: tuple[int, int, int]) -> PlanSpec:

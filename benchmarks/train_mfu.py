@@ -2,7 +2,7 @@
 
     python -m benchmarks.train_mfu [--model llama-3.1-8b] [--task sft,grpo] [--seq 1024] [--batch 8]
                                    [--rank 16] [--dtype bf16] [--rounds 3] [--peak TFLOP/s] [--explain] [--profile]
-                                   [--attention auto[,xla]]
+                                   [--attention auto[,xla]] [--remat full[,save_projections]]
 
 Random base weights of the model's shape in `--dtype` (the activations' dtype), LoRA r16 on
 q/k/v/o/gate/up/down of every layer (float32 adapter params and AdamW state, the trainers' own), a
@@ -61,10 +61,11 @@ def synthetic_batch(cfg, batch: int, seq: int, prompt_len: int, seed: int = 0) -
 
 
 def trainers(model: str, dtype, tasks, rank: int, batch: int, seq: int, backend: str = "auto",
-             logit_chunk: int | None = 64, chunk_attention: str = "auto", base=None):
+             logit_chunk: int | None = 64, chunk_attention: str = "auto", base=None, remat: bool | str = True):
     """{task: trainer} on one random base model of `model`'s shape (`logit_chunk`: the trainers' LM
     head chunking; None = one unchunked, not rematerialized projection; `chunk_attention`: the
-    model's, preft_jax.chunk_attention; `base`: an earlier call's runner whose weights are reused)."""
+    model's, preft_jax.chunk_attention; `base`: an earlier call's runner whose weights are reused;
+    `remat`: the trainers' TrainerConfig.remat)."""
     from flax import nnx
 
     from preft_jax import chunk_attention as ca
@@ -86,12 +87,17 @@ def trainers(model: str, dtype, tasks, rank: int, batch: int, seq: int, backend:
     if "sft" in tasks:
         out["sft"] = SFTTrainer(cfg, runner.graphdef, runner.state, SFTConfig(
             adapter=spec, optimizer=OptimizerConfig(lr=1e-4), batch_size=batch, seq_len=seq, steps=1000,
-            log_every=0, logit_chunk=logit_chunk))
+            log_every=0, logit_chunk=logit_chunk, remat=remat))
     if "grpo" in tasks:
         out["grpo"] = GRPOTrainer(cfg, runner, GRPOConfig(
             adapter=spec, optimizer=OptimizerConfig(lr=1e-4), steps=1000, prompts_per_step=1, group_size=batch,
-            log_every=0, logit_chunk=logit_chunk), reward_fn=lambda c, a: 0.0, stop_token_ids=(-1,))
+            log_every=0, logit_chunk=logit_chunk, remat=remat), reward_fn=lambda c, a: 0.0, stop_token_ids=(-1,))
     return cfg, runner, out
+
+
+def remat_value(text: str):
+    """--remat's word -> TrainerConfig.remat: "off" -> False, "full" -> True, else the policy name."""
+    return {"off": False, "full": True}.get(text, text)
 
 
 class Case:
@@ -167,10 +173,11 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
     hw = hw or hardware(dtype, None, args.peak and args.peak * 1e12, measure=not args.no_measure)
     log(f"# {hw.line()}")
     t0 = time.perf_counter()
+    remat = remat_value(args.remat[0])
     cfg, runner, trs = trainers(args.model, dtype, args.task, args.rank, args.batch, args.seq, args.backend,
-                                chunk_attention=args.attention[0])
+                                chunk_attention=args.attention[0], remat=remat)
     log(f"# {args.model} {args.dtype} built in {time.perf_counter() - t0:.1f} s; tasks {list(trs)}; "
-        f"chunk attention {runner.chunk_attention}")
+        f"chunk attention {runner.chunk_attention}; remat {args.remat[0]}")
     shape = cm.shape(args.model)
     cases, flops, extra = {}, {}, {}
     f = cm.lora_train_flops(shape, args.batch, args.seq, TARGETS, args.rank)
@@ -180,23 +187,30 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
                         ratio=task in getattr(args, "ratio_tasks", args.task))
         if args.explain:
             _, _, plain = trainers(args.model, dtype, [task], args.rank, args.batch, args.seq, args.backend,
-                                   logit_chunk=None)
+                                   logit_chunk=None, base=runner, chunk_attention=runner.chunk_attention, remat=remat)
             c.update(build_cases(task, plain[task], cfg, args.batch, args.seq, args.prompt_len,
                                  label=", LM head unchunked (no remat)"))
         for name in c:
             flops[name] = (f["forward"] if "forward (loss)" in name else
                            f["total"] + (ref_fwd if task == "grpo" and "update" in name else 0))
         cases.update(c)
-    others = {}                              # the step of each task again, with another chunk attention
-    for choice in args.attention[1:]:
-        _, other, more = trainers(args.model, dtype, args.task, args.rank, args.batch, args.seq, args.backend,
-                                  chunk_attention=choice, base=runner)
-        if other.chunk_attention == runner.chunk_attention or other.chunk_attention in others:
+    # the step of each task again on the same weights, with each further attention, then each further remat
+    variants = [(f"attention {a}", dict(chunk_attention=a, remat=remat)) for a in args.attention[1:]]
+    variants += [(f"remat {r}", dict(chunk_attention=runner.chunk_attention, remat=remat_value(r)))
+                 for r in args.remat[1:]]
+    seen = {(runner.chunk_attention, remat)}
+    for label, kw in variants:
+        tasks = getattr(args, "variant_tasks", args.task)     # the device check: the SFT step only
+        _, other, more = trainers(args.model, dtype, tasks, args.rank, args.batch, args.seq, args.backend,
+                                  base=runner, **kw)
+        key = (other.chunk_attention, kw["remat"])
+        if key in seen:
             continue
-        others[other.chunk_attention] = True
+        seen.add(key)
+        if label.startswith("attention"):
+            label = f"attention {other.chunk_attention}"
         for task, tr in more.items():
-            c = build_cases(task, tr, cfg, args.batch, args.seq, args.prompt_len, ratio=False,
-                            step_label=f", attention {other.chunk_attention}")
+            c = build_cases(task, tr, cfg, args.batch, args.seq, args.prompt_len, ratio=False, step_label=f", {label}")
             for name in c:
                 flops[name] = f["total"] + (ref_fwd if task == "grpo" else 0)
             extra.update(c)
@@ -247,7 +261,7 @@ def report(args, res) -> list[str]:
            f"{'/'.join(TARGETS)} ({f['lora_params'] / 1e6:.1f} M params, float32, AdamW float32), batch "
            f"{args.batch} x seq {args.seq} (prompt {args.prompt_len}); model FLOPs per step "
            f"{f['total'] / 1e12:.3g} T (forward {f['forward'] / 1e12:.3g} T, backward {f['backward'] / 1e12:.3g} T); "
-           f"chunk attention {res['attention']} (preft_jax.chunk_attention)",
+           f"chunk attention {res['attention']} (preft_jax.chunk_attention), remat {args.remat[0]}",
            "", "| what | ms: median (min-max) | model TFLOPs | MFU |", "|---|---:|---:|---:|"]
     for name, ts in times.items():
         t = statistics.median(ts)
@@ -263,12 +277,13 @@ def report(args, res) -> list[str]:
                            f"{min(ratios):.2f}-{max(ratios):.2f}x; model-FLOP ratio "
                            f"{f['backward'] / f['forward']:.2f}x, + the LM head recomputed: "
                            f"{(f['backward'] + f['head']) / f['forward']:.2f}x)")
-    for name in [k for k in times if ", attention " in k]:
-        main = name.split(", attention ")[0]
-        if main in times:
-            r = [b / a for a, b in zip(times[main], times[name])]
-            out.append(f"- {main}: attention {name.split(', attention ')[1]} / {res['attention']} = "
-                       f"{statistics.median(r):.2f}x the time (per round {min(r):.2f}-{max(r):.2f}x)")
+    for what, mine in (("attention", res["attention"]), ("remat", args.remat[0])):
+        for name in [k for k in times if f", {what} " in k]:
+            main = name.split(f", {what} ")[0]
+            if main in times:
+                r = [b / a for a, b in zip(times[main], times[name])]
+                out.append(f"- {main}: {what} {name.split(f', {what} ')[1]} / {mine} = "
+                           f"{statistics.median(r):.2f}x the time (per round {min(r):.2f}-{max(r):.2f}x)")
     mm = [k for k in times if k.startswith("matmul")]
     if len(mm) == 2:
         r = [b / a for a, b in zip(times[mm[0]], times[mm[1]])]
@@ -296,6 +311,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the model's chunk attention (preft_jax.chunk_attention: auto, xla, flash, flash:gpu, "
                          "flash:tpu); more than one, comma-separated: each task's step again with each further "
                          "one, on the same weights, timed side by side (e.g. auto,xla)")
+    ap.add_argument("--remat", type=lambda s: s.split(","), default=["full"],
+                    help="the trainers' TrainerConfig.remat: full, off, save_qkvo, save_projections "
+                         "(preft_jax.config.REMAT_POLICIES); more than one: each further one timed as --attention's")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=1, help="calls per round per case")
     ap.add_argument("--peak", type=float, default=None, help="TFLOP/s (default: stated / measured)")
@@ -314,6 +332,10 @@ def finish_args(args):
     bad = [t for t in args.task if t not in ("sft", "grpo")]
     if bad:
         raise SystemExit(f"--task: unknown {bad}; choose from sft, grpo")
+    from preft_jax.config import REMAT_POLICIES
+    bad = [r for r in args.remat if r != "off" and r not in REMAT_POLICIES]
+    if bad:
+        raise SystemExit(f"--remat: unknown {bad}; choose from off, {', '.join(REMAT_POLICIES)}")
     from preft_jax.chunk_attention import CHOICES
     bad = [a for a in args.attention if a not in CHOICES]
     if bad:

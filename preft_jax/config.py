@@ -3,6 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 
+# Rematerialization of the layer body in the backward pass (training; MaxText's remat policies): what
+# each layer keeps for the backward beyond its input - the outputs of the projections named here
+# (`jax.ad_checkpoint.checkpoint_name`, bias and LoRA delta included) - everything else is recomputed.
+# "full": nothing (one layer's activations alive at a time; a second forward of every layer);
+# "save_qkvo": q, k, v, o (the MLP, the norms and the attention recomputed); "save_projections": all
+# seven (only the norms, RoPE, the attention and the SwiGLU product recomputed).
+REMAT_POLICIES = {"full": (), "save_qkvo": ("qkvo",), "save_projections": ("qkvo", "mlp")}
+
 # Logical axis names of every LoRA-targetable projection's (input, output) dimension, keyed like
 # `ModelConfig.projection_dims`. Model weights, adapter banks and trainable adapters declare their
 # shardings from this table (see preft_jax.sharding for the logical -> mesh rules).

@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from preft_jax.adapters.bank import AdapterBank, LayerAdapters
 from preft_jax.adapters.context import AdapterContext, resolve_backend
-from preft_jax.config import PROJECTION_AXES, ModelConfig
+from preft_jax.config import PROJECTION_AXES, REMAT_POLICIES, ModelConfig
 from preft_jax import chunk_attention as chunk_attn
 from preft_jax import paged_kv
 from preft_jax import quantize as quant
@@ -54,6 +55,20 @@ KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 MLP_AXES = ("batch", "seq", "mlp")
 # Optional q/k/v biases [n_layers, out] (ModelConfig.qkv_bias, e.g. Qwen2), added after the projection.
 BIAS_PARAMS = {"wq": "bq", "wk": "bk", "wv": "bv"}
+# the REMAT_POLICIES name each projection's output is saved under
+_SAVE_NAME = {"wq": "qkvo", "wk": "qkvo", "wv": "qkvo", "wo": "qkvo", "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp"}
+
+
+def remat_policy(remat) -> str | None:
+    """A trainer's `remat` (True = "full", False / None = off, or a REMAT_POLICIES name) -> the
+    policy name, or None for no rematerialization; anything else is an error naming the choices."""
+    if remat is None or remat is False:
+        return None
+    if remat is True:
+        return "full"
+    if isinstance(remat, str) and remat in REMAT_POLICIES:
+        return remat
+    raise ValueError(f"remat must be true, false or one of {tuple(REMAT_POLICIES)}, got {remat!r}")
 
 
 def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -175,7 +190,7 @@ class Llama(nnx.Module):
         target = PROJECTION_TARGET[name]
         if adapters is not None and target in adapters.lora_A:
             y = y + ctx.lora(x, adapters.lora_A[target], adapters.lora_B[target]).astype(y.dtype)
-        return y
+        return checkpoint_name(y, _SAVE_NAME[name])        # what a remat policy may keep (REMAT_POLICIES)
 
     def _layer(self, h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache):
         """One decoder layer. `attend(layer, q, k, v, cache) -> (out [B, T, H, hd], cache)`; `layer` is
@@ -212,13 +227,14 @@ class Llama(nnx.Module):
         return None if cache is None else shd.constrain_tree(cache, shd.axis_units(self.cfg), "cache")
 
     def _scan_layers(self, h, bank: AdapterBank | None, ctx, positions, attend, cache, layer_xs=None,
-                     with_ys: bool = False, remat: bool = False):
+                     with_ys: bool = False, remat: bool | str = False):
         """Scans the layer body over the stacked weights, carrying `cache` (updated in place).
 
         `layer_xs`: extra per-layer inputs (leading axis n_layers) handed to `attend` as
         (layer index, slice); with_ys: also return the stacked per-layer outputs of `attend`;
-        remat: the layer body is rematerialized in the backward pass (only each layer's input is
-        kept, not its activations)."""
+        remat: the layer body is rematerialized in the backward pass (`remat_policy`: True or
+        "full" keeps only each layer's input, "save_qkvo" / "save_projections" also the named
+        projections' outputs; False: nothing recomputed)."""
         idx = jnp.arange(self.cfg.n_layers)
         xs = (idx if layer_xs is None else (idx, layer_xs), self.layers.stacked(),
               None if bank is None else bank.per_layer())
@@ -230,8 +246,11 @@ class Llama(nnx.Module):
             h, cache, y = self._layer(h, p, layer, adapters, reft_subtract, ctx, positions, attend, cache)
             return (h, cache), y
 
-        if remat:
-            body = jax.checkpoint(body, prevent_cse=False)
+        policy = remat_policy(remat)
+        if policy is not None:
+            names = REMAT_POLICIES[policy]
+            body = jax.checkpoint(body, prevent_cse=False,
+                                  policy=jax.checkpoint_policies.save_only_these_names(*names) if names else None)
         (h, cache), ys = jax.lax.scan(body, (h, cache), xs)
         return (h, cache, ys) if with_ys else (h, cache)
 
@@ -248,14 +267,15 @@ class Llama(nnx.Module):
         return AdapterContext.build(token_slots, bank.n_slots, self.adapter_backend, mode, row_slots)
 
     def forward_chunk(self, tokens, bank: AdapterBank | None = None, ctx: AdapterContext | None = None,
-                      cache: KVCache | None = None, slot_ids=None, remat: bool = False):
+                      cache: KVCache | None = None, slot_ids=None, remat: bool | str = False):
         """tokens: int [B, T] at positions 0..T-1 (right-padded). Returns (hidden [B, T, d], cache).
 
         `ctx` (from `adapter_context`, B * T tokens) is required with a bank. Attention is causal
         within the chunk (`self.chunk_attention`: preft_jax.chunk_attention's reference or a flash
         kernel). If `cache` is given, sequence b's K/V are written to cache slot
         `slot_ids[b]` at positions 0..T-1 (padding positions too: they are never attended before
-        decode overwrites them). remat: rematerialize each layer in the backward pass (training).
+        decode overwrites them). remat: rematerialize each layer in the backward pass (training;
+        True, False or a REMAT_POLICIES name, see `remat_policy`).
         """
         B, T = tokens.shape
         self._check_context(bank, ctx, B * T)

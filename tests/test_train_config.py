@@ -118,3 +118,20 @@ def test_single_process_mesh_and_batch_placement():
     assert dist.global_max(7) == 7
     host = dist.gather_to_host({"a": placed["tokens"]})
     assert isinstance(host["a"], np.ndarray)
+
+
+def test_remat_takes_a_policy_name():
+    from train.sft import SFTConfig
+    assert SFTConfig(remat="save_projections").remat == "save_projections"
+    assert SFTConfig.from_json(SFTConfig(remat="save_qkvo").to_json()).remat == "save_qkvo"
+    with pytest.raises(ValueError, match=r"^SFTConfig\.remat must be true, false or one of \('full', 'save_qkvo', "
+                                         r"'save_projections'\), got 'some'$"):
+        SFTConfig(remat="some")
+
+
+def test_model_options_attention():
+    from train.config import ModelOptions
+    assert ModelOptions(attention="flash").attention == "flash"
+    with pytest.raises(ValueError, match=r"^attention must be one of \('auto', 'xla', 'flash', 'flash:gpu', "
+                                         r"'flash:tpu'\) or None, got 'fast'$"):
+        ModelOptions(attention="fast")

@@ -203,6 +203,13 @@ def test_config_and_cli():
     assert (a.adapter, a.rank, a.mode, a.steps) == ("reft", 4, "all", 3)
     with pytest.raises(ValueError):
         AdapterSpec(rank=4, mode="decode")
+    from train import cli
+    from train.sft import config_from_args
+    assert config_from_args(_parse([])).remat is True                   # the default: full
+    for flag, want in (("off", False), ("full", True), ("save_projections", "save_projections")):
+        assert config_from_args(_parse(["--remat", flag])).remat == want
+    assert cli.model_options(_parse([])).attention is None
+    assert cli.model_options(_parse(["--attention", "xla"])).attention == "xla"
 
 
 def test_activated_config_invocation_flag_and_starts():
@@ -242,3 +249,25 @@ def test_activated_config_invocation_flag_and_starts():
     bad = pad_batch([[5, 3, 6]], [[3, 4]], length=8)                     # in the response only: not in the prompt
     with pytest.raises(MissingInvocationError, match=r"adapter being trained \(batch row 0\);"):
         batch_arrays(bad, policy)
+
+
+def test_remat_policies_give_the_same_gradient_and_recompute_less(runner):
+    # every policy is the same function; what differs is what the backward recomputes: "full" runs
+    # every layer's projections again, "save_qkvo" the MLP's, "save_projections" none of the base ones
+    from train.sft import sft_loss_terms
+    acfg, params = _random_adapter("lora", "prefill")
+    arrays = {k: jnp.asarray(v) for k, v in batch_arrays(_batch()[2]).items()}
+    grads, dots = {}, {}
+    for remat in (False, True, "save_qkvo", "save_projections"):
+        def loss(p, remat=remat):
+            nll, n = sft_loss_terms(CFG, acfg, runner.graphdef, runner.state, p, arrays, 8, remat=remat)
+            return nll / n
+        g = jax.grad(loss)
+        dots[remat] = str(jax.make_jaxpr(g)(params)).count("dot_general")
+        grads[remat] = jax.jit(g)(params)
+    for remat in (True, "save_qkvo", "save_projections"):
+        for a, b in zip(jax.tree.leaves(grads[False]), jax.tree.leaves(grads[remat])):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7 * float(jnp.abs(a).max()))
+    # matmuls in the gradient's program (one layer body: a scan); measured 86 / 78 / 74 against 65 without
+    # remat (the LoRA shrinks and the attention's two einsums are recomputed under every policy)
+    assert dots[True] > dots["save_qkvo"] > dots["save_projections"] >= dots[False], dots

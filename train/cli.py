@@ -5,10 +5,11 @@ Flags (defaults from the trainer's config class):
     adapter     --adapter {lora,reft} --rank --mode {prefill,all,activated} --alpha --targets q,v,... --layers 0,2
                 --reft-kind {loreft,direft} --invocation TEXT|IDS (mode activated: the aLoRA invocation)
     optimizer   --lr --warmup-steps --weight-decay --grad-clip
-    loop        --steps --seed --log-every --eval-every --logit-chunk --pad-multiple
+    loop        --steps --seed --log-every --eval-every --logit-chunk --remat --pad-multiple
     mesh        --mesh data,fsdp,tensor            (multi-process: must use every device)
     checkpoint  --checkpoint-every --keep-checkpoints
     model       --model PATH --dtype {float32,bfloat16} --backend {auto,jnp,xla,pallas} --quantize {int8,int4}
+                --attention {auto,xla,flash,...}
     processes   --coordinator HOST:PORT|auto --num-processes --process-id --local-device-count --init-timeout
     output      --out RUN_FOLDER  (checkpoints/, metrics.jsonl, adapter/, data/; resumes when it holds checkpoints)
 
@@ -31,8 +32,8 @@ import sys
 import traceback
 
 from train import distributed as dist
-from train.config import (ADAPTERS, BACKENDS, DTYPES, MODES, QUANT_MODES, AdapterSpec, CheckpointConfig,
-                          MeshConfig, ModelOptions, OptimizerConfig, TrainerConfig)
+from train.config import (ADAPTERS, BACKENDS, CHUNK_ATTENTION, DTYPES, MODES, QUANT_MODES, REMAT_POLICIES, AdapterSpec,
+                          CheckpointConfig, MeshConfig, ModelOptions, OptimizerConfig, TrainerConfig)
 
 log = logging.getLogger("train")
 
@@ -79,6 +80,11 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
     g.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations (0: at the end)")
     g.add_argument("--logit-chunk", type=int, default=d.logit_chunk,
                    help="sequence positions per vocabulary-projection chunk (memory vs speed)")
+    g.add_argument("--remat", choices=("full", "off") + tuple(p for p in REMAT_POLICIES if p != "full"),
+                   default="full" if d.remat is True else "off" if d.remat is False else d.remat,
+                   help="what each layer recomputes in the backward pass: full (only its input kept; the least "
+                        "memory), save_qkvo / save_projections (also keep those projections' outputs: fewer "
+                        "FLOPs, more memory; benchmarks.memory_plan --remat plans it), off")
     g.add_argument("--pad-multiple", type=int, default=d.pad_multiple,
                    help="sequences are padded to a multiple of this (fewer distinct shapes: fewer compiles)")
     g.add_argument("--mesh", default=",".join(map(str, d.mesh.shape)), help="device mesh sizes data,fsdp,tensor")
@@ -95,6 +101,9 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
     g.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of the frozen base model (adapter params and optimizer state stay float32)")
     g.add_argument("--backend", default="jnp", help=f"adapter backend, one of {BACKENDS} (the model validates it)")
+    g.add_argument("--attention", choices=CHUNK_ATTENTION, default=None,
+                   help="causal attention of the training forward: auto (flash kernels for a bfloat16 model on a "
+                        "GPU/TPU, else xla), xla, flash (default: $PREFT_JAX_CHUNK_ATTENTION, else auto)")
     g.add_argument("--quantize", choices=QUANT_MODES, default=None,
                    help="frozen base weights int8 (per channel) or int4 (grouped), adapters in float: QLoRA "
                         "(docs/quantization.md)")
@@ -187,11 +196,11 @@ def trainer_fields(a, tokenizer=None) -> dict:
         mesh=MeshConfig.parse(a.mesh),
         checkpoint=CheckpointConfig(every=a.checkpoint_every, max_to_keep=a.keep_checkpoints),
         steps=a.steps, seed=a.seed, log_every=a.log_every, eval_every=a.eval_every, logit_chunk=a.logit_chunk,
-        pad_multiple=a.pad_multiple)
+        pad_multiple=a.pad_multiple, remat={"full": True, "off": False}.get(a.remat, a.remat))
 
 
 def model_options(a) -> ModelOptions:
-    return ModelOptions(path=a.model, dtype=a.dtype, backend=a.backend, quantize=a.quantize)
+    return ModelOptions(path=a.model, dtype=a.dtype, backend=a.backend, quantize=a.quantize, attention=a.attention)
 
 
 def start(a) -> dist.DistributedConfig:
@@ -223,7 +232,8 @@ def load_base(opts: ModelOptions, mesh=None):
     if opts.quantize:
         from preft_jax.loading.quantized import quantize_model_params
         params = quantize_model_params(cfg, params, opts.quantize, opts.jnp_dtype, path=opts.path)
-    return cfg, ModelRunner(Llama.from_params(cfg, params, dtype=opts.jnp_dtype, adapter_backend=opts.backend)), tok
+    return cfg, ModelRunner(Llama.from_params(cfg, params, dtype=opts.jnp_dtype, adapter_backend=opts.backend,
+                                              chunk_attention=opts.attention)), tok
 
 
 def callbacks(a) -> tuple:

@@ -38,7 +38,7 @@ def _target_logprobs(model, h, targets, temperature):
 
 def token_logprobs(graphdef, state, tokens, prompt_lengths, bank=None, adapter_ids=None,
                    temperature: float = 1.0, chunk: int | None = 64, start: int = 0, adapter_starts=None,
-                   remat: bool = False):
+                   remat: bool | str = False):
     """[B, T] float32: entry t = log p(tokens[:, t] | tokens[:, :t]) (entry 0 = 0).
 
     `chunk`: sequence positions per vocab-projection chunk (None: all at once). Each chunk is
@@ -70,7 +70,7 @@ def token_logprobs(graphdef, state, tokens, prompt_lengths, bank=None, adapter_i
 
 def adapted_logprobs(model_cfg: ModelConfig, adapter_config, graphdef, state, params, tokens, prompt_lengths,
                      adapter_id: int = 1, temperature: float = 1.0, chunk: int | None = 64, start: int = 0,
-                     adapter_starts=None, remat: bool = False):
+                     adapter_starts=None, remat: bool | str = False):
     """token_logprobs with the trainable adapter's 2-slot bank; adapter_id 1 = adapted, 0 = base."""
     bank = adapter_bank(model_cfg, adapter_config, params)
     ids = jnp.full((tokens.shape[0],), adapter_id, jnp.int32)

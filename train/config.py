@@ -23,7 +23,8 @@ import typing
 
 from preft_jax.adapters.config import LORA_TARGETS, REFT_KINDS, LoraConfig, ReftConfig
 from preft_jax.adapters.policy import MODES, PositionPolicy
-from preft_jax.config import QUANT_MODES, ModelConfig
+from preft_jax.chunk_attention import CHOICES as CHUNK_ATTENTION
+from preft_jax.config import QUANT_MODES, REMAT_POLICIES, ModelConfig
 
 ADAPTERS = ("lora", "reft")
 DTYPES = ("float32", "bfloat16")
@@ -220,6 +221,9 @@ class ModelOptions(JsonConfig):
     dtype: str = "float32"
     backend: str = "jnp"
     quantize: str | None = None           # "int8" | "int4": the base weights (preft_jax.quantize)
+    # the training forward's causal attention (preft_jax.chunk_attention: auto | xla | flash | flash:gpu |
+    # flash:tpu; None: $PREFT_JAX_CHUNK_ATTENTION, else auto), validated by the model
+    attention: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -228,6 +232,8 @@ class ModelOptions(JsonConfig):
             raise ValueError(f"quantize must be one of {QUANT_MODES} or None, got {self.quantize!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a name (one of {BACKENDS}), got {self.backend!r}")
+        if self.attention is not None and self.attention not in CHUNK_ATTENTION:
+            raise ValueError(f"attention must be one of {CHUNK_ATTENTION} or None, got {self.attention!r}")
 
     @property
     def jnp_dtype(self):
@@ -250,7 +256,9 @@ class TrainerConfig(JsonConfig):
     eval_every: int = 0                   # 0: evaluate only at the end (when there is an eval set)
     logit_chunk: int | None = 64          # sequence positions per vocab-projection chunk
     pad_multiple: int = 16
-    remat: bool = True                    # recompute each layer in the backward pass (activations: O(1 layer))
+    # recompute each layer in the backward pass: True (= "full": activations O(1 layer)), False, or a
+    # policy keeping some projections' outputs ("save_qkvo", "save_projections": preft_jax.config.REMAT_POLICIES)
+    remat: bool | str = True
 
     def __post_init__(self):
         for name, tp in (("adapter", AdapterSpec), ("optimizer", OptimizerConfig), ("mesh", MeshConfig),
@@ -262,6 +270,9 @@ class TrainerConfig(JsonConfig):
                   pad_multiple=self.pad_multiple)
         if self.log_every < 0 or self.eval_every < 0:
             raise ValueError("log_every and eval_every must be >= 0")
+        if not (isinstance(self.remat, bool) or self.remat in REMAT_POLICIES):
+            raise ValueError(f"{type(self).__name__}.remat must be true, false or one of {tuple(REMAT_POLICIES)}, "
+                             f"got {self.remat!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
             raise ValueError(f"{type(self).__name__}.seed must be an integer in [0, 2**31), got {self.seed!r}")
 
