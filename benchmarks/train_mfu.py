@@ -24,6 +24,12 @@ that backward; the LM head counted over every position. Recomputation (the LM he
 rematerialized) is not counted: MFU = model FLOPs / (time x peak). The GRPO update adds the
 reference forward (2 N T + the LM head + attention).
 
+Variants (each further value of `--attention` or `--remat`): the step of each task again, on the
+same weights, with that chunk attention (preft_jax.chunk_attention: e.g. `auto,xla` - the flash
+kernel against the XLA reference) or that remat policy (TrainerConfig.remat: e.g.
+`full,save_projections`), timed round-robin with the rest and printed as `<what> X / Y = N.NNx the
+time`; they run last, so a deadline skips them first.
+
 Why a backward costs what it does (`--explain`): the same forward / forward + backward with the LM
 head unchunked (`logit_chunk=None`: no rematerialized vocab projection in the backward), and the
 largest projection's forward product x W against its activation gradient dY W^T (same FLOPs; the
