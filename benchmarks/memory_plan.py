@@ -196,7 +196,9 @@ def abstract_model(cfg, spec: PlanSpec):
     import jax
     from flax import nnx
     from preft_jax.model import Llama
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=spec.dtype, adapter_backend=spec.backend))
+    # compiled for CPU devices: the XLA reference attention (a GPU's flash kernel keeps no [T, T] scores: less)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=spec.dtype, adapter_backend=spec.backend,
+                                         chunk_attention="xla"))
     dt = compile_dtype(spec)
     if dt != model.dtype:
         graphdef, state = nnx.split(model)

@@ -703,7 +703,7 @@ def cost_analysis_check(model: str, dtype, rows: int, context: int) -> tuple[dic
     from preft_jax.paged_kv import PagedBatch, PagedKVCache, choose_attention
     from preft_jax.paged_step import paged_step
     cfg = dataclasses.replace(cm.MODEL_CONFIGS[model], n_layers=1)
-    model_ = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    model_ = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype, chunk_attention="xla"))
     graphdef, state = nnx.split(model_)
     nb = -(-(context + 1) // BLOCK)
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32

@@ -67,7 +67,8 @@ def synthetic_batch(cfg, batch: int, seq: int, prompt_len: int, seed: int = 0) -
 
 
 def trainers(model: str, dtype, tasks, rank: int, batch: int, seq: int, backend: str = "auto",
-             logit_chunk: int | None = 64, chunk_attention: str = "auto", base=None, remat: bool | str = True):
+             logit_chunk: int | None = 64, chunk_attention: str | None = None, base=None,
+             remat: bool | str = True):
     """{task: trainer} on one random base model of `model`'s shape (`logit_chunk`: the trainers' LM
     head chunking; None = one unchunked, not rematerialized projection; `chunk_attention`: the
     model's, preft_jax.chunk_attention; `base`: an earlier call's runner whose weights are reused;
@@ -179,6 +180,7 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
     hw = hw or hardware(dtype, None, args.peak and args.peak * 1e12, measure=not args.no_measure)
     log(f"# {hw.line()}")
     t0 = time.perf_counter()
+    from preft_jax import chunk_attention as ca
     remat = remat_value(args.remat[0])
     cfg, runner, trs = trainers(args.model, dtype, args.task, args.rank, args.batch, args.seq, args.backend,
                                 chunk_attention=args.attention[0], remat=remat)
@@ -206,15 +208,15 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
                  for r in args.remat[1:]]
     seen = {(runner.chunk_attention, remat)}
     for label, kw in variants:
-        tasks = getattr(args, "variant_tasks", args.task)     # the device check: the SFT step only
-        _, other, more = trainers(args.model, dtype, tasks, args.rank, args.batch, args.seq, args.backend,
-                                  base=runner, **kw)
-        key = (other.chunk_attention, kw["remat"])
-        if key in seen:
+        attention = ca.resolve(kw["chunk_attention"], dtype)
+        if (attention, kw["remat"]) in seen:                   # e.g. auto,xla on a CPU: nothing new
             continue
-        seen.add(key)
+        seen.add((attention, kw["remat"]))
         if label.startswith("attention"):
-            label = f"attention {other.chunk_attention}"
+            label = f"attention {attention}"
+        tasks = getattr(args, "variant_tasks", args.task)     # the device check: the SFT step only
+        _, _, more = trainers(args.model, dtype, tasks, args.rank, args.batch, args.seq, args.backend,
+                              base=runner, chunk_attention=attention, remat=kw["remat"])
         for task, tr in more.items():
             c = build_cases(task, tr, cfg, args.batch, args.seq, args.prompt_len, ratio=False, step_label=f", {label}")
             for name in c:
@@ -313,10 +315,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dtype", default=None, choices=("f32", "bf16"), help="default: f32 on CPU, bf16 elsewhere")
     ap.add_argument("--backend", default="auto", choices=("auto", "jnp", "xla", "pallas"))
-    ap.add_argument("--attention", type=lambda s: s.split(","), default=["auto"],
+    ap.add_argument("--attention", type=lambda s: s.split(","), default=None,
                     help="the model's chunk attention (preft_jax.chunk_attention: auto, xla, flash, flash:gpu, "
-                         "flash:tpu); more than one, comma-separated: each task's step again with each further "
-                         "one, on the same weights, timed side by side (e.g. auto,xla)")
+                         "flash:tpu; default: $PREFT_JAX_CHUNK_ATTENTION, else auto); more than one, comma-separated: "
+                         "each task's step again with each further one, on the same weights, timed side by side "
+                         "(e.g. auto,xla)")
     ap.add_argument("--remat", type=lambda s: s.split(","), default=["full"],
                     help="the trainers' TrainerConfig.remat: full, off, save_qkvo, save_projections "
                          "(preft_jax.config.REMAT_POLICIES); more than one: each further one timed as --attention's")
@@ -343,7 +346,8 @@ def finish_args(args):
     if bad:
         raise SystemExit(f"--remat: unknown {bad}; choose from off, {', '.join(REMAT_POLICIES)}")
     from preft_jax.chunk_attention import CHOICES
-    bad = [a for a in args.attention if a not in CHOICES]
+    args.attention = args.attention or [None]
+    bad = [a for a in args.attention if a is not None and a not in CHOICES]
     if bad:
         raise SystemExit(f"--attention: unknown {bad}; choose from {', '.join(CHOICES)}")
     return args

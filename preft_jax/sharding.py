@@ -212,7 +212,6 @@ def logical_spec(axes: Sequence, shape: Sequence[int], mesh, units: Mapping[str,
                 # e.g. the group scales of an int4 weight whose groups span heads: no whole-head split
                 _warn_once(f"{where}: {name} dimension {dim} is not a whole number per head "
                            f"({units[name]} heads); replicated")
-                out.append(None)
                 continue
             n = units[name]
         entry, dropped = _fit(rules[name], n, ms, used)

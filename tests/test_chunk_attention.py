@@ -72,7 +72,7 @@ def test_tpu_kernel_matches_float64():
     assert max(got) < 1e-5, got
 
 
-def _sft_case(chunk_attention):
+def _sft_case(chunk_attention, rows: int = 3):
     from preft_jax.adapters.trainable import init_adapter
     from preft_jax.generation import ModelRunner
     from preft_jax.model import Llama
@@ -88,8 +88,8 @@ def _sft_case(chunk_attention):
     keys = jax.random.split(jax.random.key(2), len(leaves))
     params = jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
     rng = np.random.default_rng(0)
-    prompts = [list(map(int, rng.integers(3, cfg.vocab_size, n))) for n in (5, 30, 3)]
-    responses = [list(map(int, rng.integers(3, cfg.vocab_size, n))) + [2] for n in (40, 2, 6)]
+    prompts = [list(map(int, rng.integers(3, cfg.vocab_size, n))) for n in (5, 30, 3, 12)[:rows]]
+    responses = [list(map(int, rng.integers(3, cfg.vocab_size, n))) + [2] for n in (40, 2, 6, 10)[:rows]]
     arrays = {k: jnp.asarray(v) for k, v in batch_arrays(pad_batch(prompts, responses, pad_id=0, length=48)).items()}
     return cfg, acfg, runner, params, arrays
 
@@ -154,7 +154,7 @@ from train.sft import sft_loss_terms
 mesh = shd.make_mesh(data=2, tensor=2)
 out = {}
 for impl in ("xla", "flash:gpu"):
-    cfg, acfg, runner, params, arrays = _sft_case(impl)
+    cfg, acfg, runner, params, arrays = _sft_case(impl, rows=4)       # 4 rows: the batch splits over data
     if impl != "xla":
         runner = runner.with_mesh(mesh)
 
@@ -165,8 +165,9 @@ for impl in ("xla", "flash:gpu"):
     with runner.mesh_context():
         jaxpr = str(jax.make_jaxpr(f)(params))
         loss, grads = f(params)
+    maps = [ln for ln in jaxpr.splitlines() if "shard_map" in ln or "in_specs" in ln]
     out[impl] = {"loss": float(loss), "grads": [np.asarray(g).tolist() for g in jax.tree.leaves(grads)],
-                 "shard_map": "shard_map" in jaxpr}
+                 "shard_map": bool(maps), "specs": "\n".join(maps)}
 print("RESULT" + json.dumps(out))
 """
 
@@ -175,6 +176,8 @@ def test_sharded_flash_matches_the_unsharded_reference():
     res = run_on_fake_devices(SHARDED, n_devices=4, cheap_codegen=True)
     ref, got = res["xla"], res["flash:gpu"]
     assert got["shard_map"] and not ref["shard_map"]
+    # the kernel's operands split over both axes: batch over data, heads over tensor
+    assert "P('data', None, 'tensor')" in got["specs"], got["specs"][:2000]
     assert abs(got["loss"] - ref["loss"]) < 1e-5 * abs(ref["loss"])
     for a, b in zip(ref["grads"], got["grads"]):
         a, b = np.asarray(a), np.asarray(b)
@@ -188,15 +191,17 @@ def test_resolve(monkeypatch):
     assert ca.resolve("auto", jnp.bfloat16, platform="tpu") == "flash:tpu"
     assert ca.resolve("auto", jnp.float32, platform="gpu") == "xla"          # float32 stays on the reference
     assert ca.resolve("flash", jnp.float32, platform="gpu") == "flash:gpu"   # unless asked for by name
-    assert ca.resolve("flash:tpu", jnp.float32) == "flash:tpu"               # a named kernel, interpreted here
+    assert ca.resolve("flash:tpu", jnp.float32) == "flash:tpu"               # named: lowers for a TPU from here
     monkeypatch.setenv(ca.ENV, "flash:gpu")
     assert ca.resolve(None, jnp.float32) == "flash:gpu"
     monkeypatch.setenv(ca.ENV, "fast")
     with pytest.raises(ValueError, match=r"^PREFT_JAX_CHUNK_ATTENTION must be one of \('auto', 'xla', 'flash', "
                                          r"'flash:gpu', 'flash:tpu'\), got 'fast'$"):
         ca.resolve(None, jnp.float32)
-    with pytest.raises(ValueError, match=r"^chunk_attention='flash' needs a GPU or a TPU \(this is 'cpu'\); name the "
-                                         r"kernel \('flash:gpu' or 'flash:tpu': interpreted off its device\) or use 'xla'$"):
+    with pytest.raises(ValueError, match=r"^chunk_attention='flash' needs a GPU or a TPU \(this is 'cpu'\); use 'xla', "
+                                         r"or name a kernel \('flash:gpu' runs in Pallas interpret mode off a GPU; "
+                                         r"'flash:tpu' off a TPU only lowers for one, or runs under "
+                                         r"force_tpu_interpret_mode\)$"):
         ca.resolve("flash", jnp.bfloat16)
 
 
@@ -207,6 +212,19 @@ def test_a_kernel_that_does_not_lower_falls_back_under_auto_and_is_an_error_by_n
         assert ca.resolve("auto", jnp.bfloat16, platform="gpu") == "xla"
     assert caplog.messages == ["chunk attention: the gpu flash kernel does not lower here (RuntimeError: no Triton "
                                "here); using xla"]
-    with pytest.raises(ValueError, match=r"^chunk_attention='flash:gpu': the kernel does not lower on this gpu: "
-                                         r"RuntimeError: no Triton here$"):
-        ca.resolve("flash:gpu", jnp.bfloat16, platform="gpu")
+    for asked in ("flash:gpu", "flash"):
+        with pytest.raises(ValueError, match=rf"^chunk_attention='{asked}': the gpu flash kernel does not lower here: "
+                                             r"RuntimeError: no Triton here$"):
+            ca.resolve(asked, jnp.bfloat16, platform="gpu")
+
+
+def test_self_check_runs_the_kernel_against_the_reference(monkeypatch):
+    assert ca.self_check("flash:gpu", jnp.float32, T=48, hd=32) == ""
+    monkeypatch.setattr(ca, "_flash", lambda q, k, v, kind, scale: q)          # a kernel that computes wrong
+    assert ca.self_check("flash:gpu", jnp.float32, T=48, hd=32).startswith("output differs from the xla "
+                                                                            "reference by ")
+
+    def broken(q, k, v, kind, scale):
+        raise RuntimeError("Triton compilation failed\nmore")
+    monkeypatch.setattr(ca, "_flash", broken)
+    assert ca.self_check("flash:gpu", jnp.float32, T=48, hd=32) == "RuntimeError: Triton compilation failed"

@@ -135,3 +135,12 @@ def test_model_options_attention():
     with pytest.raises(ValueError, match=r"^attention must be one of \('auto', 'xla', 'flash', 'flash:gpu', "
                                          r"'flash:tpu'\) or None, got 'fast'$"):
         ModelOptions(attention="fast")
+
+
+def test_a_bad_attention_is_refused_before_the_model_loads():
+    from train.cli import load_base
+    from train.config import ModelOptions
+    # a path that does not exist: the refusal comes first, nothing is read
+    with pytest.raises(ValueError, match=r"^--attention flash: chunk_attention='flash' needs a GPU or a TPU "
+                                         r"\(this is 'cpu'\); use 'xla'"):
+        load_base(ModelOptions(path="/nonexistent/model.gguf", attention="flash"))

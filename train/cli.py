@@ -228,12 +228,17 @@ def load_base(opts: ModelOptions, mesh=None):
     from preft_jax.generation import ModelRunner
     from preft_jax.loading import load_model_sharded
     from preft_jax.model import Llama
+    from preft_jax import chunk_attention
+    try:                            # before any weight is read: a bad --attention is one line
+        attention = chunk_attention.resolve(opts.attention, opts.jnp_dtype)
+    except ValueError as e:
+        raise ValueError(f"--attention {opts.attention}: {e}" if opts.attention else str(e)) from None
     cfg, params, tok = load_model_sharded(opts.path, mesh, opts.dtype)
     if opts.quantize:
         from preft_jax.loading.quantized import quantize_model_params
         params = quantize_model_params(cfg, params, opts.quantize, opts.jnp_dtype, path=opts.path)
     return cfg, ModelRunner(Llama.from_params(cfg, params, dtype=opts.jnp_dtype, adapter_backend=opts.backend,
-                                              chunk_attention=opts.attention)), tok
+                                              chunk_attention=attention)), tok
 
 
 def callbacks(a) -> tuple:

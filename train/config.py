@@ -270,7 +270,8 @@ class TrainerConfig(JsonConfig):
                   pad_multiple=self.pad_multiple)
         if self.log_every < 0 or self.eval_every < 0:
             raise ValueError("log_every and eval_every must be >= 0")
-        if not (isinstance(self.remat, bool) or self.remat in REMAT_POLICIES):
+        if not (self.remat is None or isinstance(self.remat, bool)
+                or (isinstance(self.remat, str) and self.remat in REMAT_POLICIES)):
             raise ValueError(f"{type(self).__name__}.remat must be true, false or one of {tuple(REMAT_POLICIES)}, "
                              f"got {self.remat!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:

@@ -20,7 +20,8 @@ def param_shardings(cfg, mesh=None, dtype="float32") -> dict:
     from preft_jax import sharding as shd
     from preft_jax.model import Llama
 
-    state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                                           chunk_attention="xla")))   # shapes only
     if mesh is None:
         tree = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state)
     else:
