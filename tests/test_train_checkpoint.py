@@ -214,3 +214,30 @@ def test_export_loads_back_with_same_logits(runner, tmp_path, adapter, mode):
     base = sequence_logits(runner.graphdef, runner.state, tokens, plen)
     assert float(jnp.abs(trained - base).max()) > 1e-3           # the adapter did learn something
     np.testing.assert_allclose(np.asarray(served), np.asarray(trained), rtol=1e-4, atol=1e-4)
+
+
+def test_a_sigterm_ends_the_run_at_the_next_step_saved_and_resume_is_exact(runner, tmp_path):
+    import os
+    import signal
+
+    from train.preemption import Preempted
+    data = _data()
+    tc = SFTConfig(adapter=AdapterSpec(rank=2, targets=("q", "v", "down")), steps=5, batch_size=8,
+                   optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1), checkpoint=CheckpointConfig(every=100),
+                   log_every=0, seq_len=16)
+    straight, _ = SFTTrainer(CFG, runner.graphdef, runner.state, tc).fit(data)
+    ck, before = tmp_path / "ckpt", signal.getsignal(signal.SIGTERM)
+
+    def notice(row, state):
+        if row["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)          # a scheduler's notice, mid-run
+    with pytest.raises(Preempted, match=rf"^preempted \(SIGTERM\) after step 3 of 5: checkpoint of step 3 saved in "
+                                        rf"{ck}; the same command resumes from it$") as e:
+        SFTTrainer(CFG, runner.graphdef, runner.state, tc).fit(data, checkpoint_dir=ck, callbacks=[notice])
+    assert e.value.step == 3 and signal.getsignal(signal.SIGTERM) is before     # the handler is put back
+    with Checkpointer(ck) as c:
+        assert c.all_steps() == [3]
+    resumed, hist = SFTTrainer(CFG, runner.graphdef, runner.state, tc).fit(data, checkpoint_dir=ck)
+    assert [h["step"] for h in hist] == [4, 5]
+    for a, b in zip(_leaves(straight.params), _leaves(resumed.params)):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)

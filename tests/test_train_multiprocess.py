@@ -219,3 +219,28 @@ def test_a_process_that_stops_stops_the_others_with_one_line(world):
     assert "error: process 0 lost contact with another process of this run" in text0, text0[-3000:]
     assert "Check failure" not in text0 and "Traceback" not in text0, text0[-3000:]
     assert _steps(out)[:1] == [1] and not (out / "adapter").exists()
+
+
+def test_sigterm_stops_at_one_saved_step_and_the_same_command_resumes(world):
+    # a preemption notice (SIGTERM) mid-run: before, one process died at once (its steps since the last
+    # checkpoint lost) and a multi-process run ignored it (jax.distributed's notifier takes SIGTERM)
+    m = ["--model", world / "model", "--data", world / "sft_data"]
+    args = SFT + ["--steps", 8, "--checkpoint-every", 100]             # no regular checkpoint before the end
+    for n, devices, mesh in ((1, 4, "1,1,4"), (2, 2, "2,1,2")):
+        run = world / f"sigterm_{n}"
+        res = launch("train.sft", m + args + ["--out", run, "--mesh", mesh], n, devices, world / "logs",
+                     extra={n - 1: ["--sigterm-after-step", 2]})           # the notice reaches one process
+        assert [rc for rc, _ in res] == [143] * n, [(rc, text[-1500:]) for rc, text in res]
+        saved = _steps(run)
+        assert len(saved) == 1 and 3 <= saved[0] < 8, saved                # one step every process agreed on
+        step = saved[0]
+        assert (f"stopped: preempted (SIGTERM) after step {step} of 8: checkpoint of step {step} saved in "
+                f"{run / 'checkpoints'}; the same command resumes from it") in res[0][1], res[0][1][-1500:]
+        assert all("stopped: preempted" not in text for _, text in res[1:])      # said once, by process 0
+        assert [r["step"] for r in _metrics(run)] == list(range(1, step + 1)) and not (run / "adapter").exists()
+        if n == 1:
+            continue                            # a one-process resume is test_train_checkpoint's
+        resumed = launch("train.sft", m + args + ["--out", run, "--mesh", mesh], n, devices, world / "logs")
+        _ok(resumed)
+        assert f"resumed from checkpoint {run / 'checkpoints' / str(step)}" in resumed[0][1] and "step 8/8" in resumed[0][1]
+        assert [r["step"] for r in _metrics(run)] == list(range(1, 9)) and (run / "adapter").is_dir()

@@ -96,6 +96,7 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
                    "(a run resumes from its checkpoints)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--fault-after-step", type=int, default=None, help=argparse.SUPPRESS)   # tests: SIGKILL
+    g.add_argument("--sigterm-after-step", type=int, default=None, help=argparse.SUPPRESS)  # tests: SIGTERM
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
     g.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -242,16 +243,22 @@ def load_base(opts: ModelOptions, mesh=None):
 
 
 def callbacks(a) -> tuple:
-    """Test hook: --fault-after-step K kills this process (SIGKILL) once batch K is checkpointed."""
-    if a.fault_after_step is None:
-        return ()
-
-    def crash(row, state):
-        if row["step"] == a.fault_after_step:
-            log.warning("fault injection: SIGKILL after step %d", row["step"])
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
-    return (crash,)
+    """Test hooks: --fault-after-step K kills this process (SIGKILL) once batch K is checkpointed;
+    --sigterm-after-step K sends it a SIGTERM (a preemption notice) after batch K."""
+    out = []
+    if a.fault_after_step is not None:
+        def crash(row, state):
+            if row["step"] == a.fault_after_step:
+                log.warning("fault injection: SIGKILL after step %d", row["step"])
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGKILL)
+        out.append(crash)
+    if getattr(a, "sigterm_after_step", None) is not None:
+        def notice(row, state):
+            if row["step"] == a.sigterm_after_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+        out.append(notice)
+    return tuple(out)
 
 
 def _say_last(line: str) -> None:
@@ -274,10 +281,15 @@ def main_guard(fn, argv=None, exiting: bool = False) -> int:
     TensorStore's whole spec: hundreds of lines) is dropped, so the error stays the one line."""
     from train.checkpoint import CheckpointReadError
     from train.data import DatasetFormatError, DatasetMismatchError
+    from train.preemption import EXIT_STATUS, Preempted
     from train.trainer import ResumeError, RunError
     graceful = True
     try:
         fn(argv)
+    except Preempted as e:                      # every process stopped at the same step, saved: a clean end
+        if dist.is_primary():
+            print(f"stopped: {e}", file=sys.stderr, flush=True)
+        return EXIT_STATUS
     except (dist.DistributedError, ResumeError, ValueError, OSError) as e:
         if os.environ.get("PREFT_TRACEBACK"):
             raise

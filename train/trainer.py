@@ -14,7 +14,8 @@ or process count before reading its state) or initializes; then per batch: the b
 `update` (the jitted, sharded step, compiled once per batch shape, `inner_steps` times), eval at
 `eval_every` and at the last step, one metrics row (jsonl sink and log line on process 0 only),
 a checkpoint every `checkpoint.every` batches and at the last one (every process takes part), and
-the callbacks `fn(row, state)`. `position` (batches consumed) is what a checkpoint stores, so a
+the callbacks `fn(row, state)`. A SIGTERM (a scheduler's preemption notice) ends the loop at a step
+every process agrees on, saved, with `train.preemption.Preempted` (train.preemption). `position` (batches consumed) is what a checkpoint stores, so a
 resumed run sees the batches an uninterrupted run would.
 """
 from __future__ import annotations
@@ -242,6 +243,8 @@ class Trainer:
                 raise
         if state is None:
             state = self.init_state()
+        from train.preemption import Preempted, Preemption
+        notice = Preemption(install=ckpt is not None)          # a SIGTERM: stop at an agreed step, saved
         sink = MetricsSink(metrics_path, position)
         history, t_start, start = [], time.time(), position
         bar = progress(None, self.name, total=until, initial=position, unit="step",
@@ -263,12 +266,16 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix({k: f"{row[k]:.4f}" for k in ("loss", *self.log_keys()) if k in row}, refresh=False)
                 self._log(row, position, until, start, t_start)
+                preempted = notice.reached(position) and position < until
                 if ckpt is not None:
                     ckpt.save(position, state, position, c.to_json(), extra=self.checkpoint_meta(),
-                              force=position == until)
+                              force=position == until or preempted)
+                if preempted:
+                    raise Preempted(position, until, None if ckpt is None else ckpt.directory)
                 for cb in callbacks:
                     cb(row, state)
         finally:
+            notice.close()
             bar.close()
             sink.close()
             if ckpt is not None:
