@@ -873,7 +873,9 @@ class Engine:
         req.last_token_at = now
         self._new_tokens += 1
         reason = self._ends_with(seq, token)
-        if reason == "stop":
+        if reason == "stop":                    # not kept, but named, with its log-prob entry (vLLM lists it)
+            req.stop_token_id = token
+            req.emit(("stop_token", (token, logprob)))
             return self._terminate(req, "stop")
         seq.tokens.append(token)
         req.tokens.append(token)
@@ -940,7 +942,7 @@ class Engine:
         for req in reqs:
             if req.result is None:  # the engine's view; a consumer (serve/output.py) adds text and stop strings
                 req.result = Result(req.request_id, req.adapter, list(req.tokens), None, reason, len(req.prompt_ids),
-                                    stop_token=reason == "stop")     # the engine's "stop" is a stop token
+                                    stop_token_id=req.stop_token_id if reason == "stop" else None)
             req.emit(("finished", reason))
 
     # ---- compile everything up front -------------------------------------------------------

@@ -12,6 +12,9 @@ most likely tokens there. Prompt entries (echo) start with None: nothing predict
   `text_offset[i]` is the character offset in the choice's `text` where token i's text starts.
 A token whose bytes are not valid UTF-8 on their own (part of a character) is written
 "bytes:\\xNN..." in the legacy `tokens` and chat `token` fields; chat `bytes` always has the raw bytes.
+The stop token that ended a completion (EOS or one of `stop_token_ids`) is listed last, with its
+entry, as vLLM lists it (`Result.scored`; streamed in the chunk that carries finish_reason): its
+text is not in the choice's text, and its `text_offset` is the text's end.
 """
 from __future__ import annotations
 

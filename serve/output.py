@@ -33,7 +33,21 @@ class Result:
     prompt_tokens: int
     logprobs: list | None = None          # per generated token (logprob, [(id, logprob)] * k), if asked for
     prompt_logprobs: list | None = None   # per prompt token, entry 0 None, if asked for
-    stop_token: bool = False              # ended by a stop token (EOS or stop_token_ids) the model generated
+    stop_token_id: int | None = None      # the stop token (EOS or stop_token_ids) that ended it, if one did
+    stop_logprob: tuple | None = None     # its log-prob entry, if log-probabilities were asked for
+
+    @property
+    def stop_token(self) -> bool:
+        """Ended by a stop token the model generated (not in `tokens`: its text is not output)."""
+        return self.stop_token_id is not None
+
+    def scored(self) -> tuple[list[int], list]:
+        """(ids, log-prob entries) of every generated token, the stop token last when one ended the
+        request: what a response's logprobs list (vLLM lists the stop token too; its text is not
+        output). Needs `logprobs`."""
+        if self.stop_token_id is None:
+            return list(self.tokens), list(self.logprobs)
+        return list(self.tokens) + [self.stop_token_id], list(self.logprobs) + [self.stop_logprob]
 
     @property
     def completion_tokens(self) -> int:
@@ -62,6 +76,7 @@ class RequestOutput:
         self.logprobs: list | None = None if req.sampling.logprobs is None else []
         self.prompt_logprobs: list | None = None
         self._pending_logprobs: list = []
+        self._stop = (None, None)                 # (the stop token, its log-prob entry) the engine named
         self.done = False
 
     def handle(self, event) -> list:
@@ -74,6 +89,9 @@ class RequestOutput:
             return []
         if kind == "prompt_logprobs":
             self.prompt_logprobs = list(payload)
+            return []
+        if kind == "stop_token":
+            self._stop = (int(payload[0]), payload[1])
             return []
         if kind == "tokens":
             ids = [int(t) for t in payload]
@@ -112,8 +130,9 @@ class RequestOutput:
     def _finish(self, reason: str, stop_token: bool = False):
         self.done = True
         text = None if self.detok is None else self.detok.text
+        stop_id, stop_lp = self._stop if stop_token else (None, None)
         result = Result(self.req.request_id, self.req.adapter, list(self.tokens), text, reason,
                         len(self.req.prompt_ids), None if self.logprobs is None else list(self.logprobs),
-                        self.prompt_logprobs, stop_token)
+                        self.prompt_logprobs, stop_id, None if self.logprobs is None else stop_lp)
         self.req.result = result
         return ("done", result)

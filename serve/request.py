@@ -74,6 +74,7 @@ class Request:
                                            # scheduler shares steps fairly between groups
     events: object = dataclasses.field(default_factory=queue.SimpleQueue)   # anything with .put(event)
     tokens: list[int] = dataclasses.field(default_factory=list)    # generated ids (engine side)
+    stop_token_id: int | None = None       # the stop token that ended it (engine side; not in `tokens`)
     cancelled: bool = False
     result: Result | None = None
     error: EngineError | None = None

@@ -261,6 +261,46 @@ def test_stop_token_ids_end_a_choice_at_the_first_of_them(server):
         "stop token ids must be < 256 (negative: none), got [256]"
 
 
+def _stream_choices(server, path, body) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json=dict(body, stream=True), timeout=120) as r:
+        return [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_the_stop_token_is_listed_last_in_logprobs(server):
+    # vLLM lists the stop token that ended a choice in its logprobs (an RL rollout reads the whole
+    # action sequence back from them); its text stays out of the choice's text
+    prompt = "xyz 123"
+    ref = _greedy(TOK.encode(prompt), 12)
+    stop = next(t for t in ref[2:] if t not in ref[:2])
+    at = ref.index(stop)
+    base = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    free = _body(server, "/v1/completions", dict(base, max_tokens=at + 1))["choices"][0]["logprobs"]   # not stopped
+    out = _body(server, "/v1/completions", dict(base, stop_token_ids=[stop]))["choices"][0]
+    lp, text = out["logprobs"], out["text"]
+    assert (text, out["finish_reason"]) == (TOK.decode(ref[:at]), "stop")
+    assert lp["tokens"] == free["tokens"] and len(free["tokens"]) == at + 1       # the stop token last
+    assert lp["text_offset"][-1] == len(text) and len(lp["token_logprobs"]) == at + 1
+    np.testing.assert_allclose(lp["token_logprobs"], free["token_logprobs"], rtol=1e-5, atol=1e-6)
+    assert lp["top_logprobs"][-1].keys() == free["top_logprobs"][-1].keys()
+    chunks = _stream_choices(server, "/v1/completions", dict(base, stop_token_ids=[stop]))
+    streamed = [c["logprobs"] for c in chunks if c["logprobs"]]
+    assert [t for x in streamed for t in x["tokens"]] == lp["tokens"]
+    assert [o for x in streamed for o in x["text_offset"]] == lp["text_offset"]
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["logprobs"]["tokens"] == [free["tokens"][-1]]
+    assert "".join(c["text"] for c in chunks) == text
+    # chat: the stop token is the first token, so the content is empty and the logprobs hold it alone
+    chat = {"model": "tiny", "messages": MSGS, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 1}
+    first = _body(server, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"][0]
+    stopped = _body(server, "/v1/chat/completions", dict(chat, stop_token_ids=[first["bytes"][0]]))["choices"][0]
+    assert stopped["message"]["content"] == "" and stopped["logprobs"]["content"] == [first]
+    chunks = _stream_choices(server, "/v1/chat/completions", dict(chat, stop_token_ids=[first["bytes"][0]]))
+    assert [c["logprobs"]["content"] for c in chunks if c["logprobs"]] == [[first]]
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["logprobs"]["content"] == [first]
+    # a choice that ends at its token budget lists no extra token
+    assert len(_body(server, "/v1/completions", dict(base, max_tokens=3))["choices"][0]["logprobs"]["tokens"]) == 3
+
+
 def test_extensions_that_change_the_output_are_refused_unless_neutral(server):
     from serve.protocol import UNSUPPORTED
     changed = {"min_tokens": 3, "min_p": 0.1, "repetition_penalty": 1.5, "length_penalty": 0.5,

@@ -93,8 +93,9 @@ class CompletionFormat:
                 continue
             text, lp = result_text(self.tokenizer, result), None
             if self.k_lp is not None:
-                lp = logprobs_fmt.legacy(self.token_text, result.tokens, result.logprobs,
-                                         logprobs_fmt.text_offsets(self.tokenizer, result.tokens, self._start(k)))
+                ids, entries = result.scored()              # the stop token last, at the text's end
+                lp = logprobs_fmt.legacy(self.token_text, ids, entries,
+                                         logprobs_fmt.text_offsets(self.tokenizer, ids, self._start(k)))
             if self.echo:
                 etext, elp = self.echo_part(k, req.output())
                 text = etext + text
@@ -128,7 +129,13 @@ class CompletionFormat:
         return chunks
 
     def done_chunks(self, k, out, result) -> list[dict]:
-        return self._echo_chunks(k, out) + [self.envelope([self.choice(k, "", None, self._finish(result))])]
+        lp = None
+        if self.k_lp is not None and result.stop_token and not self.score_only:     # the stop token's entry
+            sent = self._sent.get(k, [])
+            lp = logprobs_fmt.legacy(self.token_text, [result.stop_token_id], [result.stop_logprob],
+                                     logprobs_fmt.text_offsets(self.tokenizer, [result.stop_token_id],
+                                                               self._start(k), sent))
+        return self._echo_chunks(k, out) + [self.envelope([self.choice(k, "", lp, self._finish(result))])]
 
     def usage_chunk(self, results) -> dict:
         return dict(self.envelope([]), usage=usage(self.prompts, results, not self.score_only))
@@ -158,7 +165,7 @@ class ChatFormat:
     def response(self, reqs, results) -> dict:
         choices = []
         for k, result in enumerate(results):
-            lp = None if self.k_lp is None else self._logprobs(result.tokens, result.logprobs)
+            lp = None if self.k_lp is None else self._logprobs(*result.scored())
             choices.append({"index": k, "message": {"role": "assistant", "content": result_text(self.tokenizer, result)},
                             "logprobs": lp, "finish_reason": result.finish_reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -176,7 +183,10 @@ class ChatFormat:
         return [self.chunk(k, text, None, logprobs=lp)] if text or lp is not None else []
 
     def done_chunks(self, k, out, result) -> list[dict]:
-        return [self.chunk(k, None, result.finish_reason)]
+        lp = None
+        if self.k_lp is not None and result.stop_token:           # the stop token's entry
+            lp = self._logprobs([result.stop_token_id], [result.stop_logprob])
+        return [self.chunk(k, None, result.finish_reason, logprobs=lp)]
 
     def usage_chunk(self, results) -> dict:
         last = self.chunk(0, None, None)
