@@ -41,12 +41,16 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def _resume_config(steps: int, every: int) -> SFTConfig:
+    return SFTConfig(adapter=AdapterSpec(rank=2, targets=("q", "v", "down")), steps=steps, batch_size=8,
+                     optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1), checkpoint=CheckpointConfig(every=every),
+                     log_every=0, seq_len=16)
+
+
 @pytest.mark.slow
 def test_resume_is_exact(runner, tmp_path):
     data = _data()
-    tc = SFTConfig(adapter=AdapterSpec(rank=2, targets=("q", "v", "down")), steps=4, batch_size=8,
-                   optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1), checkpoint=CheckpointConfig(every=2),
-                   log_every=0, seq_len=16)
+    tc = _resume_config(steps=4, every=2)
     straight, _ = SFTTrainer(CFG, runner.graphdef, runner.state, tc).fit(data)
 
     ck = tmp_path / "ckpt"
@@ -222,9 +226,7 @@ def test_a_sigterm_ends_the_run_at_the_next_step_saved_and_resume_is_exact(runne
 
     from train.preemption import Preempted
     data = _data()
-    tc = SFTConfig(adapter=AdapterSpec(rank=2, targets=("q", "v", "down")), steps=5, batch_size=8,
-                   optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1), checkpoint=CheckpointConfig(every=100),
-                   log_every=0, seq_len=16)
+    tc = _resume_config(steps=5, every=100)                 # no regular checkpoint before the end
     straight, _ = SFTTrainer(CFG, runner.graphdef, runner.state, tc).fit(data)
     ck, before = tmp_path / "ckpt", signal.getsignal(signal.SIGTERM)
 
