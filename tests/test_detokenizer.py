@@ -152,8 +152,12 @@ def test_request_output_finishes_as_stop_when_the_flush_completes_a_stop_string(
         req = SimpleNamespace(stop_strings=(stop,), sampling=SimpleNamespace(logprobs=None), request_id="r",
                               adapter=None, prompt_ids=[1, 2], result=None)
         out = RequestOutput(req, tok)
-        events = out.handle(("tokens", [ord("a"), 256])) + out.handle(("finished", reason))
+        events = out.handle(("tokens", [ord("a"), 256]))
+        if reason == "stop":                    # the engine names the stop token before it finishes
+            events += out.handle(("stop_token", (2, None)))
+        events += out.handle(("finished", reason))
         kind, result = events[-1]
         text = "".join(e[1][1] for e in events if e[0] == "delta")
         assert kind == "done" and (result.text, text, result.finish_reason) == (want_text, want_text, want_reason)
         assert result.tokens == [ord("a"), 256] and result.completion_tokens == 2 + (reason == "stop")
+        assert result.stop_token_id == (2 if reason == "stop" else None)

@@ -211,7 +211,9 @@ def test_ignore_eos_generates_past_the_models_eos(server, alone):
     body = {"model": "tiny", "prompt": [140], "max_tokens": 6, "temperature": 0, "logprobs": 0}
     stopped = _post(server, "/v1/completions", body).json()
     assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1  # EOS
-    assert stopped["choices"][0]["text"] == "" and stopped["choices"][0]["logprobs"]["tokens"] == []
+    # the EOS is listed in logprobs (as vLLM lists the stop token), never in the text
+    assert stopped["choices"][0]["text"] == "" and stopped["choices"][0]["logprobs"]["tokens"] == ["\x02"]
+    assert stopped["choices"][0]["logprobs"]["text_offset"] == [0]
     r = _post(server, "/v1/completions", dict(body, ignore_eos=True)).json()
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 6, r
     assert r["choices"][0]["text"] == ByteTokenizer().decode(ref) and len(r["choices"][0]["logprobs"]["tokens"]) == 6
