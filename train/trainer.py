@@ -15,8 +15,8 @@ or process count before reading its state) or initializes; then per batch: the b
 `eval_every` and at the last step, one metrics row (jsonl sink and log line on process 0 only),
 a checkpoint every `checkpoint.every` batches and at the last one (every process takes part), and
 the callbacks `fn(row, state)`. A SIGTERM (a scheduler's preemption notice) ends the loop at a step
-every process agrees on, saved, with `train.preemption.Preempted` (train.preemption). `position` (batches consumed) is what a checkpoint stores, so a
-resumed run sees the batches an uninterrupted run would.
+every process agrees on, saved, with `train.preemption.Preempted`. `position` (batches consumed) is
+what a checkpoint stores, so a resumed run sees the batches an uninterrupted run would.
 """
 from __future__ import annotations
 
