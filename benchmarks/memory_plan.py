@@ -530,12 +530,11 @@ def _parse(argv=None):
 
 
 def _remat_arg(text: str):
-    from preft_jax.config import REMAT_POLICIES
-    if text in ("off", "full"):
-        return text == "full"
-    if text not in REMAT_POLICIES:
-        raise argparse.ArgumentTypeError(f"choose from off, full, {', '.join(p for p in REMAT_POLICIES if p != 'full')}")
-    return text
+    from preft_jax.config import remat_from_word
+    try:
+        return remat_from_word(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def spec_from_args(a, mesh: tuple[int, int, int]) -> PlanSpec:

@@ -102,11 +102,6 @@ def trainers(model: str, dtype, tasks, rank: int, batch: int, seq: int, backend:
     return cfg, runner, out
 
 
-def remat_value(text: str):
-    """--remat's word -> TrainerConfig.remat: "off" -> False, "full" -> True, else the policy name."""
-    return {"off": False, "full": True}.get(text, text)
-
-
 class Case:
     """A timed callable `n` times back to back (blocked at the end); `state` threads donated state."""
 
@@ -181,7 +176,8 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
     log(f"# {hw.line()}")
     t0 = time.perf_counter()
     from preft_jax import chunk_attention as ca
-    remat = remat_value(args.remat[0])
+    from preft_jax.config import remat_from_word
+    remat = remat_from_word(args.remat[0])
     cfg, runner, trs = trainers(args.model, dtype, args.task, args.rank, args.batch, args.seq, args.backend,
                                 chunk_attention=args.attention[0], remat=remat)
     log(f"# {args.model} {args.dtype} built in {time.perf_counter() - t0:.1f} s; tasks {list(trs)}; "
@@ -204,7 +200,7 @@ def run(args, log=print, hw=None, deadline: float | None = None) -> dict:
         cases.update(c)
     # the step of each task again on the same weights, with each further attention, then each further remat
     variants = [(f"attention {a}", dict(chunk_attention=a, remat=remat)) for a in args.attention[1:]]
-    variants += [(f"remat {r}", dict(chunk_attention=runner.chunk_attention, remat=remat_value(r)))
+    variants += [(f"remat {r}", dict(chunk_attention=runner.chunk_attention, remat=remat_from_word(r)))
                  for r in args.remat[1:]]
     seen = {(runner.chunk_attention, remat)}
     for label, kw in variants:
@@ -341,10 +337,10 @@ def finish_args(args):
     bad = [t for t in args.task if t not in ("sft", "grpo")]
     if bad:
         raise SystemExit(f"--task: unknown {bad}; choose from sft, grpo")
-    from preft_jax.config import REMAT_POLICIES
-    bad = [r for r in args.remat if r != "off" and r not in REMAT_POLICIES]
+    from preft_jax.config import REMAT_WORDS
+    bad = [r for r in args.remat if r not in REMAT_WORDS]
     if bad:
-        raise SystemExit(f"--remat: unknown {bad}; choose from off, {', '.join(REMAT_POLICIES)}")
+        raise SystemExit(f"--remat: unknown {bad}; choose from {', '.join(REMAT_WORDS)}")
     from preft_jax.chunk_attention import CHOICES
     args.attention = args.attention or [None]
     bad = [a for a in args.attention if a is not None and a not in CHOICES]

@@ -10,6 +10,27 @@ import dataclasses
 # "save_qkvo": q, k, v, o (the MLP, the norms and the attention recomputed); "save_projections": all
 # seven (only the norms, RoPE, the attention and the SwiGLU product recomputed).
 REMAT_POLICIES = {"full": (), "save_qkvo": ("qkvo",), "save_projections": ("qkvo", "mlp")}
+REMAT_WORDS = ("full", "off") + tuple(p for p in REMAT_POLICIES if p != "full")    # the CLIs' --remat
+
+
+def remat_policy(remat) -> str | None:
+    """A trainer's `remat` (True = "full", False / None = off, or a REMAT_POLICIES name) -> the
+    policy name, or None for no rematerialization; anything else is an error naming the choices."""
+    if remat is None or remat is False:
+        return None
+    if remat is True:
+        return "full"
+    if isinstance(remat, str) and remat in REMAT_POLICIES:
+        return remat
+    raise ValueError(f"remat must be true, false or one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+
+
+def remat_from_word(word: str) -> bool | str:
+    """A command line's --remat word (REMAT_WORDS) -> the trainers' `remat`: "full" -> True, "off" ->
+    False, a policy name as it is; another word is an error naming the choices."""
+    if word not in REMAT_WORDS:
+        raise ValueError(f"choose from {', '.join(REMAT_WORDS)}, got {word!r}")
+    return {"full": True, "off": False}.get(word, word)
 
 # Logical axis names of every LoRA-targetable projection's (input, output) dimension, keyed like
 # `ModelConfig.projection_dims`. Model weights, adapter banks and trainable adapters declare their

@@ -58,7 +58,7 @@ def sequence_hidden(graphdef, state, tokens, prompt_lengths, bank=None, adapter_
                     remat: bool | str = False):
     """Teacher-forced final hidden states [B, T, d] (pre final norm). Not jitted: trainers wrap it.
     remat: each layer is recomputed in the backward pass (training memory: one layer's activations;
-    a REMAT_POLICIES name keeps some projections' outputs, preft_jax.model.remat_policy)."""
+    a REMAT_POLICIES name keeps some projections' outputs, preft_jax.config.remat_policy)."""
     model = nnx.merge(graphdef, state)
     idx = _token_idx(bank, adapter_ids, _positions(*tokens.shape), prompt_lengths, adapter_starts)
     h, _ = model.forward_chunk(tokens, bank, model.adapter_context(idx, bank, row_slots=adapter_ids), remat=remat)

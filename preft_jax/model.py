@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from preft_jax.adapters.bank import AdapterBank, LayerAdapters
 from preft_jax.adapters.context import AdapterContext, resolve_backend
-from preft_jax.config import PROJECTION_AXES, REMAT_POLICIES, ModelConfig
+from preft_jax.config import PROJECTION_AXES, REMAT_POLICIES, ModelConfig, remat_policy
 from preft_jax import chunk_attention as chunk_attn
 from preft_jax import paged_kv
 from preft_jax import quantize as quant
@@ -57,18 +57,6 @@ MLP_AXES = ("batch", "seq", "mlp")
 BIAS_PARAMS = {"wq": "bq", "wk": "bk", "wv": "bv"}
 # the REMAT_POLICIES name each projection's output is saved under
 _SAVE_NAME = {"wq": "qkvo", "wk": "qkvo", "wv": "qkvo", "wo": "qkvo", "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp"}
-
-
-def remat_policy(remat) -> str | None:
-    """A trainer's `remat` (True = "full", False / None = off, or a REMAT_POLICIES name) -> the
-    policy name, or None for no rematerialization; anything else is an error naming the choices."""
-    if remat is None or remat is False:
-        return None
-    if remat is True:
-        return "full"
-    if isinstance(remat, str) and remat in REMAT_POLICIES:
-        return remat
-    raise ValueError(f"remat must be true, false or one of {tuple(REMAT_POLICIES)}, got {remat!r}")
 
 
 def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:

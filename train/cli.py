@@ -32,7 +32,8 @@ import sys
 import traceback
 
 from train import distributed as dist
-from train.config import (ADAPTERS, BACKENDS, CHUNK_ATTENTION, DTYPES, MODES, QUANT_MODES, REMAT_POLICIES, AdapterSpec,
+from preft_jax.config import REMAT_WORDS, remat_from_word
+from train.config import (ADAPTERS, BACKENDS, CHUNK_ATTENTION, DTYPES, MODES, QUANT_MODES, AdapterSpec,
                           CheckpointConfig, MeshConfig, ModelOptions, OptimizerConfig, TrainerConfig)
 
 log = logging.getLogger("train")
@@ -80,7 +81,7 @@ def add_trainer_args(p: argparse.ArgumentParser, defaults: TrainerConfig, out: s
     g.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations (0: at the end)")
     g.add_argument("--logit-chunk", type=int, default=d.logit_chunk,
                    help="sequence positions per vocabulary-projection chunk (memory vs speed)")
-    g.add_argument("--remat", choices=("full", "off") + tuple(p for p in REMAT_POLICIES if p != "full"),
+    g.add_argument("--remat", choices=REMAT_WORDS,
                    default="full" if d.remat is True else "off" if d.remat is False else d.remat,
                    help="what each layer recomputes in the backward pass: full (only its input kept; the least "
                         "memory), save_qkvo / save_projections (also keep those projections' outputs: fewer "
@@ -197,7 +198,7 @@ def trainer_fields(a, tokenizer=None) -> dict:
         mesh=MeshConfig.parse(a.mesh),
         checkpoint=CheckpointConfig(every=a.checkpoint_every, max_to_keep=a.keep_checkpoints),
         steps=a.steps, seed=a.seed, log_every=a.log_every, eval_every=a.eval_every, logit_chunk=a.logit_chunk,
-        pad_multiple=a.pad_multiple, remat={"full": True, "off": False}.get(a.remat, a.remat))
+        pad_multiple=a.pad_multiple, remat=remat_from_word(a.remat))
 
 
 def model_options(a) -> ModelOptions:

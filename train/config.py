@@ -24,7 +24,7 @@ import typing
 from preft_jax.adapters.config import LORA_TARGETS, REFT_KINDS, LoraConfig, ReftConfig
 from preft_jax.adapters.policy import MODES, PositionPolicy
 from preft_jax.chunk_attention import CHOICES as CHUNK_ATTENTION
-from preft_jax.config import QUANT_MODES, REMAT_POLICIES, ModelConfig
+from preft_jax.config import QUANT_MODES, ModelConfig, remat_policy
 
 ADAPTERS = ("lora", "reft")
 DTYPES = ("float32", "bfloat16")
@@ -270,10 +270,10 @@ class TrainerConfig(JsonConfig):
                   pad_multiple=self.pad_multiple)
         if self.log_every < 0 or self.eval_every < 0:
             raise ValueError("log_every and eval_every must be >= 0")
-        if not (self.remat is None or isinstance(self.remat, bool)
-                or (isinstance(self.remat, str) and self.remat in REMAT_POLICIES)):
-            raise ValueError(f"{type(self).__name__}.remat must be true, false or one of {tuple(REMAT_POLICIES)}, "
-                             f"got {self.remat!r}")
+        try:
+            remat_policy(self.remat)
+        except ValueError as e:
+            raise ValueError(f"{type(self).__name__}.{e}") from None
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
             raise ValueError(f"{type(self).__name__}.seed must be an integer in [0, 2**31), got {self.seed!r}")
 
